@@ -1,0 +1,36 @@
+"""Exceptions that end a command with one readable paragraph instead of a traceback."""
+
+# Exit codes shared by the CLI, the Makefile and the tests.
+EXIT_CONFIG = 2
+EXIT_DATA_UNAVAILABLE = 3
+EXIT_FAILED = 1
+
+
+class BnexpError(Exception):
+    """A problem the user can fix; its message is printed as is."""
+
+    exit_code = EXIT_FAILED
+
+
+class ConfigError(BnexpError):
+    """An impossible or unknown configuration value."""
+
+    exit_code = EXIT_CONFIG
+
+
+class DataError(BnexpError):
+    """Data on disk that cannot be read (corrupt, truncated, wrong layout)."""
+
+    exit_code = EXIT_CONFIG
+
+
+class DataUnavailable(BnexpError):
+    """The data set is not on disk and could not be downloaded."""
+
+    exit_code = EXIT_DATA_UNAVAILABLE
+
+
+def unknown_choice(kind: str, value: object, choices) -> ConfigError:
+    """The standard error for a name that is not one of the valid choices."""
+    listed = ", ".join(sorted(str(c) for c in choices))
+    return ConfigError(f"unknown {kind} {value!r}; valid choices: {listed}")

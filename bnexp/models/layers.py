@@ -1,0 +1,131 @@
+"""Placement in one place: every model is built from these units.
+
+METHODS.md section 1. With ``after_op`` a normalized op computes ``N(op(x))``; with
+``before_op`` it computes ``op(N(x))`` where ``N`` has the op's input channel count.
+Models never test the placement themselves: they build :class:`NormOp` units through a
+:class:`LayerBuilder` and join residual branches with :class:`ResidualJoin`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from bnexp.activations import build_act
+from bnexp.norms import AFTER_OP, BEFORE_OP, NormSpec
+
+
+class NormOp(nn.Module):
+    """A conv or linear op with its normalization in front (``pre``) or behind (``post``).
+
+    The unused slot is ``nn.Identity``. ``normalize_input`` and ``from_normalized`` split the
+    forward so a projection shortcut can consume the same normalized input as the main op.
+    """
+
+    def __init__(self, op: nn.Module, pre: nn.Module, post: nn.Module) -> None:
+        super().__init__()
+        self.pre = pre
+        self.op = op
+        self.post = post
+
+    def normalize_input(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pre(x)
+
+    def from_normalized(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.op(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.op(self.pre(x)))
+
+
+class ResidualJoin(nn.Module):
+    """Adds a residual branch ``h`` to its shortcut, placing the activation by placement.
+
+    ``after_op``: ``act(h + shortcut)`` (the standard block); ``before_op``:
+    ``shortcut + act(h)`` (the shortcut joins after the block's last nonlinearity).
+    With ``act=None`` (linear bottlenecks) both are ``h + shortcut``.
+    """
+
+    def __init__(self, placement: str, act: nn.Module | None) -> None:
+        super().__init__()
+        self.before_op = placement == BEFORE_OP
+        self.act = act if act is not None else nn.Identity()
+
+    def forward(self, h: torch.Tensor, shortcut: torch.Tensor) -> torch.Tensor:
+        if self.before_op:
+            return shortcut + self.act(h)
+        return self.act(h + shortcut)
+
+
+@dataclass(frozen=True)
+class LayerBuilder:
+    """Builds normalized ops and activations for one model from the chosen norm and act."""
+
+    norm: NormSpec
+    act_name: str
+
+    @property
+    def placement(self) -> str:
+        return self.norm.placement
+
+    def _wrap(self, op: nn.Module, cin: int, cout: int, dim: int, normalize: bool, share_input_norm: bool) -> NormOp:
+        before = normalize and self.placement == BEFORE_OP and not share_input_norm
+        after = normalize and self.placement == AFTER_OP
+        pre = self.norm.make(cin, dim) if before else nn.Identity()
+        post = self.norm.make(cout, dim) if after else nn.Identity()
+        return NormOp(op, pre, post)
+
+    def conv(
+        self,
+        cin: int,
+        cout: int,
+        kernel_size: int,
+        stride: int = 1,
+        groups: int = 1,
+        normalize: bool = True,
+        share_input_norm: bool = False,
+    ) -> NormOp:
+        """A ``kernel_size`` conv (same padding) with its normalization placed.
+
+        ``normalize``: whether the op carries a normalization in the ``after_op`` model.
+        ``share_input_norm``: with ``before_op``, the op reads an input someone else
+        normalized (a projection shortcut reads its block's first normalized input).
+        """
+        bias = self.norm.op_bias or not normalize
+        op = nn.Conv2d(cin, cout, kernel_size, stride, kernel_size // 2, groups=groups, bias=bias)
+        return self._wrap(op, cin, cout, 2, normalize, share_input_norm)
+
+    def linear(self, fin: int, fout: int, normalize: bool = False) -> NormOp:
+        """A linear layer; classifiers keep ``normalize=False`` and always have a bias."""
+        bias = self.norm.op_bias or not normalize
+        return self._wrap(nn.Linear(fin, fout, bias=bias), fin, fout, 1, normalize, False)
+
+    def act(self) -> nn.Module:
+        return build_act(self.act_name)
+
+    def norm_layer(self, num_features: int, dim: int = 2) -> nn.Module:
+        """A bare normalization, for blocks whose order is fixed (pre-activation ResNets)."""
+        return self.norm.make(num_features, dim)
+
+    def join(self, act: bool = True) -> ResidualJoin:
+        return ResidualJoin(self.placement, self.act() if act else None)
+
+
+def normalized_ops(model: nn.Module) -> list[tuple[str, NormOp]]:
+    """Every NormOp carrying a normalization, in module order, with its qualified name."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, NormOp) and not (isinstance(m.pre, nn.Identity) and isinstance(m.post, nn.Identity))
+    ]
+
+
+def he_normal_init(model: nn.Module) -> None:
+    """He-normal (fan-in) weights for every conv and linear layer, zero biases."""
+    for m in model.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            nn.init.kaiming_normal_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)

@@ -1,0 +1,74 @@
+"""The normalization registry: one place that turns a ``norm`` config into modules.
+
+A ``norm`` preset (``configs/norm/*.yaml``) names a ``kind`` (the module family), its
+flags, the ``placement`` (``after_op`` or ``before_op``, METHODS.md section 1) and whether
+the linear ops keep a bias. :func:`build_norm_spec` turns it into a :class:`NormSpec`
+that the model builder (:mod:`bnexp.models.layers`) asks for modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from torch import nn
+
+from bnexp.errors import ConfigError, unknown_choice
+from bnexp.registry import Registry
+
+AFTER_OP = "after_op"
+BEFORE_OP = "before_op"
+PLACEMENTS = (AFTER_OP, BEFORE_OP)
+
+# (num_features, dim) -> module, where dim is 1 (features) or 2 (images).
+NormMaker = Callable[[int, int], nn.Module]
+
+NORM_KINDS: Registry[Callable[[Mapping[str, Any]], Optional[NormMaker]]] = Registry("norm kind")
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """The chosen normalization as the model builder sees it."""
+
+    name: str
+    placement: str
+    op_bias: bool
+    maker: Optional[NormMaker]
+
+    @property
+    def enabled(self) -> bool:
+        return self.maker is not None
+
+    def make(self, num_features: int, dim: int) -> nn.Module:
+        """A normalization over ``num_features`` channels, or Identity when disabled."""
+        if self.maker is None:
+            return nn.Identity()
+        return self.maker(num_features, dim)
+
+
+@NORM_KINDS.register("none")
+def _no_norm(cfg: Mapping[str, Any]) -> None:
+    return None
+
+
+@NORM_KINDS.register("batchnorm")
+def _batchnorm(cfg: Mapping[str, Any]) -> NormMaker:
+    def make(num_features: int, dim: int) -> nn.Module:
+        cls = nn.BatchNorm1d if dim == 1 else nn.BatchNorm2d
+        return cls(num_features, eps=cfg["eps"], momentum=cfg["momentum"])
+
+    return make
+
+
+def build_norm_spec(cfg: Mapping[str, Any]) -> NormSpec:
+    """Validate a ``norm`` config and return the spec models are built from."""
+    placement = cfg.get("placement", AFTER_OP)
+    if placement not in PLACEMENTS:
+        raise unknown_choice("norm.placement", placement, PLACEMENTS)
+    maker = NORM_KINDS.get(cfg["kind"])(cfg)
+    op_bias = cfg.get("op_bias")
+    if op_bias is None:
+        op_bias = maker is None
+    if not isinstance(op_bias, bool):
+        raise ConfigError(f"norm.op_bias must be true, false or null, got {op_bias!r}")
+    return NormSpec(name=cfg.get("name", cfg["kind"]), placement=placement, op_bias=op_bias, maker=maker)

@@ -1,0 +1,56 @@
+"""Optimizer and learning-rate schedule from the ``optim`` and ``schedule`` groups."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch.optim import SGD, Optimizer
+from torch.optim.lr_scheduler import ChainedScheduler, ConstantLR, LinearLR, LRScheduler, MultiStepLR
+
+from bnexp.errors import unknown_choice
+
+UNITS = ("epoch", "step")
+SCHEDULES = ("multistep", "constant")
+WARMUPS = ("constant", "linear")
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter] | list[dict[str, Any]], cfg: Mapping[str, Any]) -> Optimizer:
+    """SGD with momentum and L2 weight decay (added to the gradient, as torch.optim.SGD does)."""
+    if cfg["name"] != "sgd":
+        raise unknown_choice("optim.name", cfg["name"], ["sgd"])
+    return SGD(
+        params,
+        lr=cfg["lr"],
+        momentum=cfg.get("momentum", 0.0),
+        weight_decay=cfg.get("weight_decay", 0.0),
+        nesterov=bool(cfg.get("nesterov", False)),
+    )
+
+
+def to_steps(value: float, unit: str, steps_per_epoch: int) -> int:
+    """Convert an amount given in ``unit`` (epoch or step) to optimizer steps."""
+    if unit not in UNITS:
+        raise unknown_choice("unit", unit, UNITS)
+    return int(round(value * steps_per_epoch)) if unit == "epoch" else int(value)
+
+
+def build_schedule(optimizer: Optimizer, cfg: Mapping[str, Any], steps_per_epoch: int) -> LRScheduler:
+    """A per-step schedule: multistep decay (milestones in epochs or steps) or constant,
+    optionally multiplied by a warmup over the first ``warmup`` units."""
+    name = cfg["name"]
+    if name not in SCHEDULES:
+        raise unknown_choice("schedule.name", name, SCHEDULES)
+    unit = cfg.get("unit", "epoch")
+    milestones = [to_steps(m, unit, steps_per_epoch) for m in cfg.get("milestones", [])] if name == "multistep" else []
+    parts: list[LRScheduler] = [MultiStepLR(optimizer, milestones, gamma=cfg.get("gamma", 0.1))]
+    warmup = to_steps(cfg.get("warmup", 0), unit, steps_per_epoch)
+    if warmup > 0:
+        mode, factor = cfg.get("warmup_mode", "constant"), cfg.get("warmup_factor", 0.1)
+        if mode not in WARMUPS:
+            raise unknown_choice("schedule.warmup_mode", mode, WARMUPS)
+        if mode == "constant":
+            parts.append(ConstantLR(optimizer, factor=factor, total_iters=warmup))
+        else:
+            parts.append(LinearLR(optimizer, start_factor=factor, total_iters=warmup))
+    return parts[0] if len(parts) == 1 else ChainedScheduler(parts, optimizer)
