@@ -1,0 +1,64 @@
+"""Extension points of the training loop.
+
+Methods (AMAT, BNP), probes and checkpointing plug into :func:`bnexp.trainer.train`
+through these hooks instead of editing the loop. Each hook receives the live
+:class:`TrainState`; a hook that does nothing costs nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+
+@dataclass
+class TrainState:
+    """Everything a hook may read or change during a run."""
+
+    cfg: DictConfig
+    run_dir: Path
+    device: torch.device
+    model: nn.Module
+    optimizer: Optimizer
+    scheduler: LRScheduler
+    steps_per_epoch: int
+    total_steps: int
+    step: int = 0  # optimizer steps taken so far
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def epoch(self) -> float:
+        return self.step / self.steps_per_epoch
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+
+class Callback:
+    """Base class: override the hooks you need."""
+
+    def on_train_start(self, state: TrainState) -> None:
+        """After the model, optimizer and data exist, before the first step."""
+
+    def before_step(self, state: TrainState) -> None:
+        """Before the forward pass of step ``state.step`` (the lr of this step is set)."""
+
+    def after_backward(self, state: TrainState) -> None:
+        """Gradients exist; the optimizer has not stepped yet."""
+
+    def after_step(self, state: TrainState) -> None:
+        """After the optimizer and schedule stepped; ``state.step`` already counts it."""
+
+    def on_eval(self, state: TrainState, row: dict[str, Any]) -> None:
+        """After an evaluation; ``row`` is the metrics.csv row just written."""
+
+    def on_train_end(self, state: TrainState, status: str) -> None:
+        """Once, with the final status (completed, diverged or failed)."""

@@ -1,0 +1,49 @@
+"""Locating the Hydra config tree and checking a composed config before a run starts."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from bnexp.errors import ConfigError, unknown_choice
+
+DEVICES = ("auto", "cpu", "cuda")
+UNITS = ("epoch", "step")
+
+
+def config_dir() -> Path:
+    """``configs/`` of a source checkout, else the copy installed as ``bnexp.configs``."""
+    checkout = Path(__file__).resolve().parent.parent / "configs"
+    if (checkout / "train.yaml").is_file():
+        return checkout
+    return Path(str(resources.files("bnexp.configs")))
+
+
+def _number(cfg: DictConfig, key: str, ok: Callable[[float], bool], rule: str, integer: bool = False) -> None:
+    value = OmegaConf.select(cfg, key)
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not ok(value):
+        raise ConfigError(f"{key}={value!r} is not valid: {key} must be {rule}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Reject impossible values with one message naming the key, the value and the rule."""
+    _number(cfg, "optim.lr", lambda v: v > 0, "a number > 0")
+    _number(cfg, "optim.momentum", lambda v: 0 <= v < 1, "in [0, 1)")
+    _number(cfg, "optim.weight_decay", lambda v: v >= 0, "a number >= 0")
+    _number(cfg, "trainer.batch_size", lambda v: v >= 1, "an integer >= 1", integer=True)
+    _number(cfg, "trainer.epochs", lambda v: v >= 0, "a number >= 0")
+    if cfg.trainer.max_steps is not None:
+        _number(cfg, "trainer.max_steps", lambda v: v >= 1, "an integer >= 1 (or null)", integer=True)
+    _number(cfg, "trainer.eval_every", lambda v: v > 0, "a number > 0")
+    _number(cfg, "trainer.log_every", lambda v: v >= 1, "an integer >= 1", integer=True)
+    _number(cfg, "trainer.seed", lambda v: v >= 0, "an integer >= 0", integer=True)
+    if cfg.trainer.device not in DEVICES:
+        raise unknown_choice("trainer.device", cfg.trainer.device, DEVICES)
+    if cfg.trainer.eval_unit not in UNITS:
+        raise unknown_choice("trainer.eval_unit", cfg.trainer.eval_unit, UNITS)
+    if cfg.schedule.get("unit", "epoch") not in UNITS:
+        raise unknown_choice("schedule.unit", cfg.schedule.unit, UNITS)

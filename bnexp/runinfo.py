@@ -1,0 +1,84 @@
+"""Run bookkeeping: seeding, device choice, version stamps, metrics.csv and summary.json."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import subprocess
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+import bnexp
+from bnexp.errors import ConfigError
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed python, numpy and torch (CPU and CUDA); optionally force deterministic kernels."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when present; asking for CUDA without one is a config error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    return torch.device(name)
+
+
+def git_commit() -> str | None:
+    """The commit of the bnexp checkout this code runs from, when it is one."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(bnexp.__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and commit else None
+
+
+def version_stamp() -> dict[str, Any]:
+    return {"bnexp_version": bnexp.__version__, "git_commit": git_commit(), "torch_version": torch.__version__}
+
+
+class MetricsWriter:
+    """Appends one row per evaluation to ``metrics.csv`` (header from the first row)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: list[dict[str, Any]] = []
+
+    def write(self, row: Mapping[str, Any]) -> None:
+        new = not self.rows
+        self.rows.append(dict(row))
+        with open(self.path, "w" if new else "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(self.rows[0]))
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """Write JSON through a temporary file and a rename, so readers never see half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

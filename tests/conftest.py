@@ -1,0 +1,78 @@
+"""Shared test helpers: composing configs and running the CLI in-process."""
+
+from __future__ import annotations
+
+import csv
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from bnexp.cli import main
+from bnexp.config import config_dir
+
+# Overrides that shrink any run to a few seconds on a CPU.
+TINY = [
+    "data=synthetic",
+    "data.image_size=8",
+    "data.train_size=64",
+    "data.test_size=32",
+    "model.width=4",
+    "trainer.batch_size=16",
+    "trainer.max_steps=4",
+    "trainer.device=cpu",
+]
+
+
+def compose_cfg(overrides: list[str]) -> DictConfig:
+    """The config ``bnexp train`` would run with these overrides."""
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """Run ``bnexp`` in this process; return (exit code, stdout+stderr)."""
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def run_dir_of(tmp_path: Path) -> list[str]:
+    """Hydra overrides that put a single run's outputs in ``tmp_path/run``."""
+    return [f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+
+
+def read_metrics(path: Path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def read_summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+def write_cifar10(root: Path, per_batch: int = 20, test: int = 20, seed: int = 0) -> Path:
+    """A tiny CIFAR-10 folder in the real python-pickle format torchvision reads."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+
+    def dump(name: str, n: int) -> None:
+        entry = {"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), "labels": rng.integers(0, 10, n).tolist()}
+        with open(folder / name, "wb") as f:
+            pickle.dump(entry, f)
+
+    for i in range(1, 6):
+        dump(f"data_batch_{i}", per_batch)
+    dump("test_batch", test)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, f)
+    return folder
