@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -62,3 +62,19 @@ class Callback:
 
     def on_train_end(self, state: TrainState, status: str) -> None:
         """Once, with the final status (completed, diverged or failed)."""
+
+
+# A factory looks at the run's config and returns the callback it needs, or None.
+CallbackFactory = Callable[[DictConfig], Optional[Callback]]
+CALLBACK_FACTORIES: list[CallbackFactory] = []
+
+
+def callback_factory(factory: CallbackFactory) -> CallbackFactory:
+    """Register ``factory``; every run asks each registered factory for its callback."""
+    CALLBACK_FACTORIES.append(factory)
+    return factory
+
+
+def callbacks_for(cfg: DictConfig) -> list[Callback]:
+    """The callbacks a run's config asks for, in registration order."""
+    return [cb for cb in (factory(cfg) for factory in CALLBACK_FACTORIES) if cb is not None]

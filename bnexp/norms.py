@@ -51,11 +51,24 @@ def _no_norm(cfg: Mapping[str, Any]) -> None:
     return None
 
 
-@NORM_KINDS.register("batchnorm")
-def _batchnorm(cfg: Mapping[str, Any]) -> NormMaker:
+BN_FLAGS = {"center": True, "scale": True, "decouple": False, "rho": 1.0, "amat": False}
+
+
+def is_plain_bn(cfg: Mapping[str, Any]) -> bool:
+    """True when the family flags reduce to vanilla BN (then torch's own module is used)."""
+    return all(cfg.get(key, default) == default for key, default in BN_FLAGS.items())
+
+
+@NORM_KINDS.register("family")
+def _family(cfg: Mapping[str, Any]) -> NormMaker:
     def make(num_features: int, dim: int) -> nn.Module:
-        cls = nn.BatchNorm1d if dim == 1 else nn.BatchNorm2d
-        return cls(num_features, eps=cfg["eps"], momentum=cfg["momentum"])
+        if is_plain_bn(cfg):
+            cls = nn.BatchNorm1d if dim == 1 else nn.BatchNorm2d
+            return cls(num_features, eps=cfg["eps"], momentum=cfg["momentum"])
+        from bnexp.nn import NormFamily1d, NormFamily2d
+
+        cls = NormFamily1d if dim == 1 else NormFamily2d
+        return cls(num_features, **{key: cfg[key] for key in BN_FLAGS}, eps=cfg["eps"], momentum=cfg["momentum"])
 
     return make
 

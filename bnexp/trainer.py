@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from bnexp.callbacks import Callback, TrainState
+import bnexp.plugins  # noqa: F401  (registers the callbacks methods and loggers need)
+from bnexp.callbacks import Callback, TrainState, callbacks_for
 from bnexp.config import validate
 from bnexp.data import build_data, build_loaders
 from bnexp.models import build_model, count_parameters
@@ -89,11 +90,6 @@ def total_steps(cfg: DictConfig, steps_per_epoch: int) -> int:
     return int(round(cfg.epochs * steps_per_epoch))
 
 
-def method_callbacks(cfg: DictConfig, model: nn.Module) -> list[Callback]:
-    """Hooks the chosen methods need (filled in by the methods that use them)."""
-    return []
-
-
 def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], callbacks: list[Callback]) -> None:
     """Train one run, writing metrics.csv and the checkpoint; fill ``summary`` as it goes."""
     seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
@@ -107,7 +103,7 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], callbacks: list
         cfg, run_dir, device, model, optimizer, scheduler, loaders.steps_per_epoch,
         total_steps(cfg.trainer, loaders.steps_per_epoch),
     )
-    callbacks = method_callbacks(cfg, model) + callbacks
+    callbacks = callbacks_for(cfg) + callbacks
     summary.update(params=count_parameters(model), device=str(device), steps_per_epoch=state.steps_per_epoch)
     eval_every = max(1, to_steps(cfg.trainer.eval_every, cfg.trainer.eval_unit, state.steps_per_epoch))
     log_every = int(cfg.trainer.log_every)

@@ -1,0 +1,1 @@
+"""Import the modules that register training callbacks (see bnexp.callbacks.callback_factory)."""
