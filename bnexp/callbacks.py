@@ -63,6 +63,13 @@ class Callback:
     def on_train_end(self, state: TrainState, status: str) -> None:
         """Once, with the final status (completed, diverged or failed)."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must hold for the callback to resume exactly."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
 
 # A factory looks at the run's config and returns the callback it needs, or None.
 CallbackFactory = Callable[[DictConfig], Optional[Callback]]

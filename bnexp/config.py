@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from importlib import resources
 from pathlib import Path
 from typing import Callable
@@ -12,6 +13,7 @@ from bnexp.errors import ConfigError, unknown_choice
 
 DEVICES = ("auto", "cpu", "cuda")
 UNITS = ("epoch", "step")
+MAX_NAME = 200  # file names may be 255 bytes; leave room
 
 
 def config_dir() -> Path:
@@ -20,6 +22,23 @@ def config_dir() -> Path:
     if (checkout / "train.yaml").is_file():
         return checkout
     return Path(str(resources.files("bnexp.configs")))
+
+
+def run_name(override_dirname: str) -> str:
+    """A run directory name from the run's overrides: stable, so re-running the same
+    command finds the same directory (to resume it or skip it); hashed when too long."""
+    if not override_dirname:
+        return "defaults"
+    if len(override_dirname) <= MAX_NAME:
+        return override_dirname.replace("/", "_")
+    digest = hashlib.sha1(override_dirname.encode()).hexdigest()[:12]
+    return f"{override_dirname[: MAX_NAME - 13].replace('/', '_')}-{digest}"
+
+
+def register_resolvers() -> None:
+    """OmegaConf resolvers the config tree uses (``${run_name:...}``)."""
+    if not OmegaConf.has_resolver("run_name"):
+        OmegaConf.register_new_resolver("run_name", run_name)
 
 
 def _number(cfg: DictConfig, key: str, ok: Callable[[float], bool], rule: str, integer: bool = False) -> None:
@@ -45,5 +64,9 @@ def validate(cfg: DictConfig) -> None:
         raise unknown_choice("trainer.device", cfg.trainer.device, DEVICES)
     if cfg.trainer.eval_unit not in UNITS:
         raise unknown_choice("trainer.eval_unit", cfg.trainer.eval_unit, UNITS)
+    _number(cfg, "trainer.checkpoint_every", lambda v: v >= 0, "a number >= 0 (0 disables checkpoints)")
+    _number(cfg, "trainer.keep_checkpoints", lambda v: v >= 1, "an integer >= 1", integer=True)
+    if cfg.trainer.checkpoint_unit not in UNITS:
+        raise unknown_choice("trainer.checkpoint_unit", cfg.trainer.checkpoint_unit, UNITS)
     if cfg.schedule.get("unit", "epoch") not in UNITS:
         raise unknown_choice("schedule.unit", cfg.schedule.unit, UNITS)

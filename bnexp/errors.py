@@ -4,6 +4,7 @@
 EXIT_CONFIG = 2
 EXIT_DATA_UNAVAILABLE = 3
 EXIT_FAILED = 1
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on a signal after a checkpoint; re-run to resume
 
 
 class BnexpError(Exception):

@@ -8,7 +8,7 @@ import os
 import random
 import subprocess
 from pathlib import Path
-from typing import Any, Mapping
+from typing import IO, Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -73,12 +73,38 @@ class MetricsWriter:
                 writer.writeheader()
             writer.writerow(row)
 
+    def restore(self, rows: list[dict[str, Any]]) -> None:
+        """Rewrite the file with exactly ``rows`` (the rows a checkpoint had seen)."""
+        self.rows = []
+        self.path.unlink(missing_ok=True)
+        for row in rows:
+            self.write(row)
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``path`` through a temporary sibling: write, flush, fsync, rename, fsync folder.
+
+    On any error the temporary file is removed and the error re-raised; the previous
+    file under ``path`` (if any) is untouched, so readers never see half a file.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:
-    """Write JSON through a temporary file and a rename, so readers never see half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """JSON through :func:`atomic_write`."""
+    text = json.dumps(data, indent=2, sort_keys=True, default=str)
+    atomic_write(path, lambda f: f.write(text.encode()))

@@ -1,8 +1,10 @@
 """The training loop: one run from a composed config to metrics.csv and summary.json.
 
-Read it top to bottom: build data, model, optimizer and schedule; loop over steps
-(forward, backward, hooks, optimizer step); evaluate every ``trainer.eval_every``;
-stop on the step budget or a non-finite loss; write the summary whatever happens.
+Read it top to bottom: build data, model, optimizer and schedule; resume from the newest
+checkpoint if there is one; loop over steps (forward, backward, hooks, optimizer step);
+evaluate every ``trainer.eval_every`` and checkpoint every ``trainer.checkpoint_every``;
+stop on the step budget, a non-finite loss or a preemption signal; write the summary
+whatever happens.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,20 +25,18 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 import bnexp.plugins  # noqa: F401  (registers the callbacks methods and loggers need)
+from bnexp import checkpoint
 from bnexp.callbacks import Callback, TrainState, callbacks_for
 from bnexp.config import validate
-from bnexp.data import build_data, build_loaders
+from bnexp.data import build_data
+from bnexp.data.loaders import build_loaders
+from bnexp.errors import ConfigError
 from bnexp.models import build_model, count_parameters
 from bnexp.optim import build_optimizer, build_schedule, to_steps
+from bnexp.preemption import Preempted, PreemptionGuard
 from bnexp.runinfo import MetricsWriter, resolve_device, seed_everything, version_stamp, write_json
 
 log = logging.getLogger("bnexp.train")
-
-
-def batches(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless training batches; every pass over the loader is one epoch of the sampler."""
-    while True:
-        yield from loader
 
 
 @torch.no_grad()
@@ -66,14 +66,13 @@ class TrainMeter:
     """Sums loss and correct predictions on the device; read (one sync) when reported."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.reset()
+        self.sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss*n, correct, n
 
     def reset(self) -> None:
-        self.sums = torch.zeros(3, device=self.device, dtype=torch.float64)  # loss*n, correct, n
+        self.sums.zero_()
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
-        n = torch.tensor(float(len(y)), device=self.device, dtype=torch.float64)
+        n = torch.tensor(float(len(y)), device=self.sums.device, dtype=torch.float64)
         correct = logits.argmax(dim=1).eq(y).sum().double()
         self.sums += torch.stack([loss.double() * n, correct, n])
 
@@ -90,86 +89,6 @@ def total_steps(cfg: DictConfig, steps_per_epoch: int) -> int:
     return int(round(cfg.epochs * steps_per_epoch))
 
 
-def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], callbacks: list[Callback]) -> None:
-    """Train one run, writing metrics.csv and the checkpoint; fill ``summary`` as it goes."""
-    seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
-    device = resolve_device(cfg.trainer.device)
-    bundle = build_data(cfg.data)
-    loaders = build_loaders(bundle, cfg.data, cfg.trainer.batch_size, cfg.trainer.seed, device.type == "cuda")
-    model = build_model(cfg.model, cfg.norm, cfg.act.name, bundle.spec).to(device)
-    optimizer = build_optimizer(model.parameters(), cfg.optim)
-    scheduler = build_schedule(optimizer, cfg.schedule, loaders.steps_per_epoch)
-    state = TrainState(
-        cfg, run_dir, device, model, optimizer, scheduler, loaders.steps_per_epoch,
-        total_steps(cfg.trainer, loaders.steps_per_epoch),
-    )
-    callbacks = callbacks_for(cfg) + callbacks
-    summary.update(params=count_parameters(model), device=str(device), steps_per_epoch=state.steps_per_epoch)
-    eval_every = max(1, to_steps(cfg.trainer.eval_every, cfg.trainer.eval_unit, state.steps_per_epoch))
-    log_every = int(cfg.trainer.log_every)
-    writer = MetricsWriter(run_dir / "metrics.csv")
-    meter = TrainMeter(device)
-    start = time.perf_counter()
-    for cb in callbacks:
-        cb.on_train_start(state)
-
-    def evaluate_and_log(lr: float) -> None:
-        train_loss, train_acc = meter.read()
-        meter.reset()
-        row = {"step": state.step, "epoch": round(state.epoch, 4), "lr": lr, "train_loss": train_loss,
-               "train_acc": train_acc, **evaluate(model, loaders.test, device, bundle.spec.num_classes),
-               "seconds": round(time.perf_counter() - start, 3)}
-        writer.write(row)
-        record_eval(summary, row)
-        for cb in callbacks:
-            cb.on_eval(state, row)
-
-    model.train()
-    stream = batches(loaders.train)
-    bar = tqdm(total=state.total_steps, desc="train", disable=not sys.stderr.isatty(), dynamic_ncols=True)
-    lr = state.lr
-    status = "completed"
-    while state.step < state.total_steps:
-        x, y = next(stream)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        lr = state.lr
-        for cb in callbacks:
-            cb.before_step(state)
-        logits = model(x)
-        loss = F.cross_entropy(logits, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        for cb in callbacks:
-            cb.after_backward(state)
-        optimizer.step()
-        scheduler.step()
-        state.step += 1
-        meter.add(loss.detach(), logits.detach(), y)
-        for cb in callbacks:
-            cb.after_step(state)
-        bar.update(1)
-        last = state.step == state.total_steps
-        if state.step % log_every == 0 or state.step % eval_every == 0 or last:
-            train_loss, train_acc = meter.read()
-            if not math.isfinite(train_loss):
-                status = "diverged"
-                log.warning("non-finite training loss at step %d: stopping (status diverged)", state.step)
-                break
-            bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.4g}")
-            if bar.disable and state.step % log_every == 0:
-                log.info("step %d/%d epoch %.2f loss %.4f acc %.2f%% lr %.4g", state.step, state.total_steps,
-                         state.epoch, train_loss, train_acc, lr)
-        if state.step % eval_every == 0 or last:
-            evaluate_and_log(lr)
-    bar.close()
-    if state.total_steps == 0:
-        evaluate_and_log(lr)
-    summary.update(status=status, steps=state.step, epochs=round(state.epoch, 4))
-    save_checkpoint(run_dir / "checkpoint.pt", state)
-    for cb in callbacks:
-        cb.on_train_end(state, status)
-
-
 def record_eval(summary: dict[str, Any], row: dict[str, Any]) -> None:
     """Keep the final and best test accuracies of a run in its summary."""
     summary["final_top1"] = row["test_acc"]
@@ -181,20 +100,170 @@ def record_eval(summary: dict[str, Any], row: dict[str, Any]) -> None:
         summary["best_top5"] = max(summary.get("best_top5", -math.inf), row["test_top5"])
 
 
-def save_checkpoint(path: Path, state: TrainState) -> None:
-    """Model, optimizer and schedule state, step and config, written through a rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(
-        {
-            "model": state.model.state_dict(),
-            "optimizer": state.optimizer.state_dict(),
-            "scheduler": state.scheduler.state_dict(),
-            "step": state.step,
-            "config": OmegaConf.to_container(state.cfg, resolve=True),
-        },
-        tmp,
-    )
-    tmp.replace(path)
+class Run:
+    """The mutable pieces of one run that a checkpoint must capture besides the model."""
+
+    def __init__(self, state: TrainState, callbacks: list[Callback], summary: dict[str, Any]) -> None:
+        self.state = state
+        self.callbacks = callbacks
+        self.summary = summary
+        self.meter = TrainMeter(state.device)
+        self.metrics = MetricsWriter(state.run_dir / "metrics.csv")
+        self.elapsed_before = 0.0  # seconds trained before the latest resume
+        self.started = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.started
+
+    def payload(self) -> dict[str, Any]:
+        """Everything needed to continue this run bit-for-bit."""
+        s = self.state
+        return {
+            "model": s.model.state_dict(),
+            "optimizer": s.optimizer.state_dict(),
+            "scheduler": s.scheduler.state_dict(),
+            "step": s.step,
+            "rng": checkpoint.capture_rng(),
+            "meter": self.meter.sums.cpu(),
+            "metrics": self.metrics.rows,
+            "callbacks": {f"{i}:{type(cb).__name__}": cb.state_dict() for i, cb in enumerate(self.callbacks)},
+            "seconds": self.seconds(),
+            "config": OmegaConf.to_container(s.cfg, resolve=True),
+        }
+
+    def restore(self, payload: dict[str, Any]) -> None:
+        s = self.state
+        s.model.load_state_dict(payload["model"])
+        s.optimizer.load_state_dict(payload["optimizer"])
+        s.scheduler.load_state_dict(payload["scheduler"])
+        s.step = payload["step"]
+        checkpoint.restore_rng(payload["rng"])
+        self.meter.sums.copy_(payload["meter"])
+        self.metrics.restore(payload["metrics"])
+        for row in payload["metrics"]:
+            record_eval(self.summary, row)
+        for i, cb in enumerate(self.callbacks):
+            cb.load_state_dict(payload["callbacks"].get(f"{i}:{type(cb).__name__}", {}))
+        self.elapsed_before = payload["seconds"]
+        self.started = time.perf_counter()
+
+    def resume(self, mode: str) -> None:
+        """``auto``: newest valid periodic checkpoint, if any; ``never``; or a file path."""
+        run_dir = self.state.run_dir
+        if mode == "never":
+            return
+        if mode != "auto":
+            try:
+                found: tuple[Path, dict[str, Any]] | None = (Path(mode), checkpoint.load(Path(mode)))
+            except ValueError as err:
+                raise ConfigError(f"trainer.resume={mode}: {err}") from err
+        else:
+            found = checkpoint.newest_valid(run_dir)
+            if found is None and checkpoint.periodic_checkpoints(run_dir):
+                log.warning("no valid checkpoint in %s: starting over", run_dir / checkpoint.CHECKPOINT_DIR)
+        if found is not None:
+            self.restore(found[1])
+            self.summary["resumed_from"] = str(found[0])
+            log.info("resumed from %s at step %d", found[0], self.state.step)
+
+    def save_periodic(self) -> None:
+        """Write a periodic checkpoint; a failure (a full disk) is logged, not fatal."""
+        run_dir = self.state.run_dir
+        try:
+            checkpoint.save(self.payload(), checkpoint.periodic_path(run_dir, self.state.step))
+        except OSError as err:
+            log.error("checkpoint at step %d failed (%s); the previous one is intact", self.state.step, err)
+            self.summary.setdefault("checkpoint_errors", []).append(f"step {self.state.step}: {err}")
+            return
+        checkpoint.prune(run_dir, int(self.state.cfg.trainer.keep_checkpoints))
+
+    def evaluate(self, loader: DataLoader, num_classes: int, lr: float) -> None:
+        train_loss, train_acc = self.meter.read()
+        self.meter.reset()
+        s = self.state
+        row = {"step": s.step, "epoch": round(s.epoch, 4), "lr": lr, "train_loss": train_loss,
+               "train_acc": train_acc, **evaluate(s.model, loader, s.device, num_classes),
+               "seconds": round(self.seconds(), 3)}
+        self.metrics.write(row)
+        record_eval(self.summary, row)
+        for cb in self.callbacks:
+            cb.on_eval(s, row)
+
+
+def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks: list[Callback]) -> None:
+    """Train one run, writing metrics.csv and checkpoints; fill ``summary`` as it goes."""
+    seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
+    device = resolve_device(cfg.trainer.device)
+    bundle = build_data(cfg.data)
+    loaders = build_loaders(bundle, cfg.data, cfg.trainer.batch_size, cfg.trainer.seed, device.type == "cuda")
+    model = build_model(cfg.model, cfg.norm, cfg.act.name, bundle.spec).to(device)
+    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    scheduler = build_schedule(optimizer, cfg.schedule, loaders.steps_per_epoch)
+    state = TrainState(cfg, run_dir, device, model, optimizer, scheduler, loaders.steps_per_epoch,
+                       total_steps(cfg.trainer, loaders.steps_per_epoch))
+    run = Run(state, callbacks_for(cfg) + extra_callbacks, summary)
+    summary.update(params=count_parameters(model), device=str(device), steps_per_epoch=state.steps_per_epoch)
+    run.resume(str(cfg.trainer.resume))
+    eval_every = max(1, to_steps(cfg.trainer.eval_every, cfg.trainer.eval_unit, state.steps_per_epoch))
+    ckpt_every = to_steps(cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_unit, state.steps_per_epoch)
+    log_every = int(cfg.trainer.log_every)
+    for cb in run.callbacks:
+        cb.on_train_start(state)
+
+    model.train()
+    stream = loaders.epochs_from(state.step)
+    bar = tqdm(total=state.total_steps, initial=state.step, desc="train", disable=not sys.stderr.isatty(),
+               dynamic_ncols=True)
+    lr, status = state.lr, "completed"
+    with PreemptionGuard() as guard:
+        while state.step < state.total_steps:
+            x, y = next(stream)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            lr = state.lr
+            for cb in run.callbacks:
+                cb.before_step(state)
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            for cb in run.callbacks:
+                cb.after_backward(state)
+            optimizer.step()
+            scheduler.step()
+            state.step += 1
+            run.meter.add(loss.detach(), logits.detach(), y)
+            for cb in run.callbacks:
+                cb.after_step(state)
+            bar.update(1)
+            last = state.step == state.total_steps
+            if state.step % log_every == 0 or state.step % eval_every == 0 or last:
+                train_loss, train_acc = run.meter.read()
+                if not math.isfinite(train_loss):
+                    status = "diverged"
+                    log.warning("non-finite training loss at step %d: stopping (status diverged)", state.step)
+                    break
+                bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.4g}")
+                if bar.disable and state.step % log_every == 0:
+                    log.info("step %d/%d epoch %.2f loss %.4f acc %.2f%% lr %.4g", state.step, state.total_steps,
+                             state.epoch, train_loss, train_acc, lr)
+            if state.step % eval_every == 0 or last:
+                run.evaluate(loaders.test, bundle.spec.num_classes, lr)
+            if guard.signum is not None:
+                run.save_periodic()
+                summary.update(status="preempted", steps=state.step, epochs=round(state.epoch, 4))
+                guard.forward()
+                raise Preempted(guard.signum)
+            if ckpt_every > 0 and state.step % ckpt_every == 0 and not last:
+                run.save_periodic()
+    bar.close()
+    if not run.metrics.rows:
+        run.evaluate(loaders.test, bundle.spec.num_classes, lr)
+    summary.update(status=status, steps=state.step, epochs=round(state.epoch, 4))
+    if status == "completed":
+        checkpoint.save(run.payload(), run_dir / "checkpoint.pt")
+        checkpoint.prune(run_dir, 0)
+    for cb in run.callbacks:
+        cb.on_train_end(state, status)
 
 
 def train(cfg: DictConfig, run_dir: Path, callbacks: list[Callback] | None = None) -> dict[str, Any]:
@@ -207,6 +276,8 @@ def train(cfg: DictConfig, run_dir: Path, callbacks: list[Callback] | None = Non
     try:
         validate(cfg)
         fit(cfg, run_dir, summary, list(callbacks or []))
+    except Preempted:
+        raise
     except BaseException as err:
         summary.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
         raise

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from bnexp.cli import main
-from bnexp.config import config_dir
+from bnexp.config import config_dir, register_resolvers
 
 # Overrides that shrink any run to a few seconds on a CPU.
 TINY = [
@@ -30,6 +30,7 @@ TINY = [
 
 def compose_cfg(overrides: list[str]) -> DictConfig:
     """The config ``bnexp train`` would run with these overrides."""
+    register_resolvers()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 

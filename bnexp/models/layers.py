@@ -4,11 +4,18 @@ METHODS.md section 1. With ``after_op`` a normalized op computes ``N(op(x))``; w
 ``before_op`` it computes ``op(N(x))`` where ``N`` has the op's input channel count.
 Models never test the placement themselves: they build :class:`NormOp` units through a
 :class:`LayerBuilder` and join residual branches with :class:`ResidualJoin`.
+
+A projection shortcut in ``before_op`` reads its block's first normalized input instead of
+owning a normalization: the set of normalized ops (:func:`normalized_ops`) is the same in
+both placements, while the ``before_op`` model has one normalization MODULE fewer per
+projection shortcut.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 from torch import nn
@@ -21,14 +28,22 @@ class NormOp(nn.Module):
     """A conv or linear op with its normalization in front (``pre``) or behind (``post``).
 
     The unused slot is ``nn.Identity``. ``normalize_input`` and ``from_normalized`` split the
-    forward so a projection shortcut can consume the same normalized input as the main op.
+    forward so a projection shortcut can consume the same normalized input as the main op;
+    such an op has both slots empty and ``shares_input_norm`` set.
     """
 
-    def __init__(self, op: nn.Module, pre: nn.Module, post: nn.Module) -> None:
+    def __init__(self, op: nn.Module, pre: nn.Module, post: nn.Module, shares_input_norm: bool = False) -> None:
         super().__init__()
         self.pre = pre
         self.op = op
         self.post = post
+        self.shares_input_norm = shares_input_norm
+
+    @property
+    def normalized(self) -> bool:
+        """Whether a normalization acts on this op (its own, or a shared input one)."""
+        owns = not (isinstance(self.pre, nn.Identity) and isinstance(self.post, nn.Identity))
+        return owns or self.shares_input_norm
 
     def normalize_input(self, x: torch.Tensor) -> torch.Tensor:
         return self.pre(x)
@@ -71,11 +86,11 @@ class LayerBuilder:
         return self.norm.placement
 
     def _wrap(self, op: nn.Module, cin: int, cout: int, dim: int, normalize: bool, share_input_norm: bool) -> NormOp:
-        before = normalize and self.placement == BEFORE_OP and not share_input_norm
+        before = normalize and self.placement == BEFORE_OP
         after = normalize and self.placement == AFTER_OP
-        pre = self.norm.make(cin, dim) if before else nn.Identity()
+        pre = self.norm.make(cin, dim) if before and not share_input_norm else nn.Identity()
         post = self.norm.make(cout, dim) if after else nn.Identity()
-        return NormOp(op, pre, post)
+        return NormOp(op, pre, post, shares_input_norm=before and share_input_norm and self.norm.enabled)
 
     def conv(
         self,
@@ -86,16 +101,24 @@ class LayerBuilder:
         groups: int = 1,
         normalize: bool = True,
         share_input_norm: bool = False,
+        padding: int | None = None,
     ) -> NormOp:
-        """A ``kernel_size`` conv (same padding) with its normalization placed.
+        """A ``kernel_size`` conv with its normalization placed.
 
         ``normalize``: whether the op carries a normalization in the ``after_op`` model.
         ``share_input_norm``: with ``before_op``, the op reads an input someone else
         normalized (a projection shortcut reads its block's first normalized input).
+        ``padding``: ``None`` pads to keep the size ("same"); 0 is "valid".
         """
         bias = self.norm.op_bias or not normalize
-        op = nn.Conv2d(cin, cout, kernel_size, stride, kernel_size // 2, groups=groups, bias=bias)
+        pad = kernel_size // 2 if padding is None else padding
+        op = nn.Conv2d(cin, cout, kernel_size, stride, pad, groups=groups, bias=bias)
         return self._wrap(op, cin, cout, 2, normalize, share_input_norm)
+
+    def plain_conv(self, cin: int, cout: int, kernel_size: int, stride: int = 1) -> nn.Conv2d:
+        """A same-padded conv outside the placement scheme, for blocks that place their own
+        normalizations (pre-activation ResNets); it has a bias when the norm spec says so."""
+        return nn.Conv2d(cin, cout, kernel_size, stride, kernel_size // 2, bias=self.norm.op_bias)
 
     def linear(self, fin: int, fout: int, normalize: bool = False) -> NormOp:
         """A linear layer; classifiers keep ``normalize=False`` and always have a bias."""
@@ -114,18 +137,34 @@ class LayerBuilder:
 
 
 def normalized_ops(model: nn.Module) -> list[tuple[str, NormOp]]:
-    """Every NormOp carrying a normalization, in module order, with its qualified name."""
-    return [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, NormOp) and not (isinstance(m.pre, nn.Identity) and isinstance(m.post, nn.Identity))
-    ]
+    """Every normalized NormOp (see :attr:`NormOp.normalized`), in module order, with its
+    qualified name. A ``before_op`` projection shortcut is listed with empty slots."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, NormOp) and m.normalized]
+
+
+def init_ops(
+    model: nn.Module,
+    init_weight: Callable[[torch.Tensor], object],
+    kinds: tuple[type[nn.Module], ...] = (nn.Conv2d, nn.Linear),
+) -> None:
+    """Apply ``init_weight`` to the weight of every module of ``kinds``; zero its bias."""
+    for m in model.modules():
+        if isinstance(m, kinds):
+            init_weight(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
 
 
 def he_normal_init(model: nn.Module) -> None:
     """He-normal (fan-in) weights for every conv and linear layer, zero biases."""
-    for m in model.modules():
-        if isinstance(m, (nn.Conv2d, nn.Linear)):
-            nn.init.kaiming_normal_(m.weight)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+    init_ops(model, nn.init.kaiming_normal_)
+
+
+def glorot_uniform_init(model: nn.Module) -> None:
+    """Glorot-uniform weights for every conv and linear layer, zero biases (the BNP nets)."""
+    init_ops(model, nn.init.xavier_uniform_)
+
+
+def kaiming_fan_out_init(model: nn.Module) -> None:
+    """torchvision's ImageNet conv init: He-normal over fan-out, zero biases; linears untouched."""
+    init_ops(model, partial(nn.init.kaiming_normal_, mode="fan_out", nonlinearity="relu"), (nn.Conv2d,))

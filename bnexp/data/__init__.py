@@ -1,0 +1,56 @@
+"""Data sets by ``data.name`` and the loaders the trainer iterates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from torch.utils.data import Dataset
+
+from bnexp.data.arrays import ArrayData, torch_datasets
+from bnexp.data.cifar import load_cifar
+from bnexp.data.imagenet import load_imagenet
+from bnexp.data.mnist import load_mnist
+from bnexp.data.npz import load_npz
+from bnexp.data.synthetic import make_synthetic
+from bnexp.errors import unknown_choice
+from bnexp.models import DataSpec
+from bnexp.registry import Registry
+
+@dataclass
+class DataBundle:
+    """A data set ready for training: its splits, its shape, and the raw arrays if any."""
+
+    train: Dataset
+    test: Dataset
+    spec: DataSpec
+    arrays: Optional[ArrayData] = None
+
+
+def _from_arrays(load: Callable[[Mapping[str, Any]], ArrayData]) -> Callable[[Mapping[str, Any]], DataBundle]:
+    def build(cfg: Mapping[str, Any]) -> DataBundle:
+        arrays = load(cfg)
+        train, test = torch_datasets(arrays, cfg)
+        return DataBundle(train, test, arrays.spec, arrays)
+
+    return build
+
+
+DATASETS: Registry[Callable[[Mapping[str, Any]], DataBundle]] = Registry("data set")
+DATASETS.register("cifar10")(_from_arrays(load_cifar))
+DATASETS.register("cifar100")(_from_arrays(load_cifar))
+DATASETS.register("synthetic")(_from_arrays(make_synthetic))
+DATASETS.register("mnist")(_from_arrays(load_mnist))
+DATASETS.register("npz")(_from_arrays(load_npz))
+
+
+@DATASETS.register("imagenet")
+def _imagenet(cfg: Mapping[str, Any]) -> DataBundle:
+    """Image folders read lazily (no arrays); classes = class folders, 3 channels."""
+    train, test = load_imagenet(cfg)
+    return DataBundle(train, test, DataSpec(len(train.classes), 3, int(cfg.get("image_size", 224))))
+
+
+def build_data(cfg: Mapping[str, Any]) -> DataBundle:
+    """Load ``data.name`` (from disk, downloaded when possible, or made in memory)."""
+    return DATASETS.get(cfg["name"])(cfg)

@@ -1,0 +1,102 @@
+"""The loaders a run iterates, and training-index sampling that resumes exactly.
+
+Training indices are a pure function of (seed, epoch, rank): because nothing but the epoch number and the position inside it determines the next
+index, a run resumed from a checkpoint draws exactly the batches the uninterrupted run
+would have drawn: the trainer sets the epoch and the number of samples already consumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sized
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from bnexp.data import DataBundle
+from bnexp.errors import unknown_choice
+
+SAMPLINGS = ("with_replacement", "shuffle")
+
+
+class EpochSampler(Sampler[int]):
+    """Indices of one process's share of an epoch, resumable mid-epoch.
+
+    ``shuffle``: torch's DistributedSampler (one permutation per epoch shared by all ranks,
+    split between them). ``with_replacement``: each rank draws its share independently,
+    uniformly with replacement, from a generator seeded by (seed, epoch, rank).
+    """
+
+    def __init__(self, data: Sized, sampling: str, seed: int, rank: int = 0, world_size: int = 1) -> None:
+        if sampling not in SAMPLINGS:
+            raise unknown_choice("data.sampling", sampling, SAMPLINGS)
+        self.size = len(data)
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.shuffler = (
+            DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+            if sampling == "shuffle"
+            else None
+        )
+        self.num_samples = -(-self.size // world_size)
+        self.epoch = 0
+        self.offset = 0
+
+    def set_epoch(self, epoch: int, offset: int = 0) -> None:
+        """Select the epoch to draw and how many of its samples were already consumed."""
+        self.epoch, self.offset = epoch, offset
+
+    def epoch_indices(self) -> list[int]:
+        """This rank's whole share of the current epoch."""
+        if self.shuffler is not None:
+            self.shuffler.set_epoch(self.epoch)
+            return list(self.shuffler)
+        seed = int(np.random.SeedSequence([self.seed, self.epoch, self.rank]).generate_state(1)[0])
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(self.size, (self.num_samples,), generator=g).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.epoch_indices()[self.offset :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.offset
+
+
+@dataclass
+class Loaders:
+    """The training loader (driven by an :class:`EpochSampler`) and the test loader."""
+
+    train: DataLoader
+    test: DataLoader
+    sampler: EpochSampler
+    batch_size: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-self.sampler.num_samples // self.batch_size)
+
+    def epochs_from(self, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Endless training batches starting at optimizer step ``step`` (0 or a resume point)."""
+        epoch, batch = divmod(step, self.steps_per_epoch)
+        offset = batch * self.batch_size
+        while True:
+            self.sampler.set_epoch(epoch, offset)
+            yield from self.train
+            epoch, offset = epoch + 1, 0
+
+
+def build_loaders(bundle: DataBundle, cfg: Mapping[str, Any], batch_size: int, seed: int, pin_memory: bool) -> Loaders:
+    """Training batches drawn with replacement or shuffled (``data.sampling``); test in order.
+
+    The DataLoader gets its own generator (for worker seeds) so creating an iterator never
+    draws from the global RNG, which the training step's own randomness uses.
+    ``pin_memory`` is the caller's default; a non-null ``data.pin_memory`` overrides it.
+    """
+    sampler = EpochSampler(bundle.train, cfg.get("sampling", "with_replacement"), seed)
+    workers = int(cfg.get("num_workers", 0))
+    pin = pin_memory if cfg.get("pin_memory") is None else bool(cfg.get("pin_memory"))
+    common: dict[str, Any] = dict(num_workers=workers, pin_memory=pin, persistent_workers=workers > 0)
+    train = DataLoader(bundle.train, batch_size=batch_size, sampler=sampler,
+                       generator=torch.Generator().manual_seed(seed), **common)
+    test = DataLoader(bundle.test, batch_size=int(cfg.get("eval_batch_size", 500)), shuffle=False, **common)
+    return Loaders(train, test, sampler, batch_size)

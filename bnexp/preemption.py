@@ -1,0 +1,58 @@
+"""Turning SIGTERM / SIGUSR1 / SIGUSR2 into "checkpoint at the next step, then stop".
+
+Cluster schedulers warn a job before they preempt it (SLURM sends SIGTERM, or the signal
+set with ``--signal``; submitit asks for SIGUSR2). While a run trains, these signals only
+set a flag; the loop checks it after each step, writes a checkpoint and raises
+:class:`Preempted`. A handler installed before bnexp's (submitit's requeue handler, for
+one) is called after the checkpoint is safely on disk.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+from bnexp.errors import EXIT_PREEMPTED
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after writing a checkpoint; re-run to resume."""
+
+    exit_code = EXIT_PREEMPTED
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} after writing a checkpoint")
+        self.signum = signum
+
+
+class PreemptionGuard:
+    """Context manager recording the first preemption signal received."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def __enter__(self) -> "PreemptionGuard":
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def forward(self) -> None:
+        """Call the handler that was installed before ours for the received signal."""
+        previous = self._previous.get(self.signum) if self.signum is not None else None
+        if callable(previous):
+            previous(self.signum, None)

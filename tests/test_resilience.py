@@ -1,0 +1,179 @@
+"""Checkpoints, exact resume, preemption, damaged checkpoints and sweeps that survive failures."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bnexp import checkpoint
+from bnexp.callbacks import Callback, TrainState
+from bnexp.errors import EXIT_PREEMPTED
+from bnexp.trainer import train
+from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli, run_dir_of
+
+EXACT = ["trainer.deterministic=true", "trainer.eval_every=4", "trainer.eval_unit=step",
+         "trainer.checkpoint_every=2", "trainer.checkpoint_unit=step"]
+
+
+def timing_free(rows: list[dict[str, str]]) -> list[dict[str, str]]:
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """Final weights bit-identical and metrics.csv equal except for the timing column."""
+    wa = checkpoint.load(a / "checkpoint.pt")["model"]
+    wb = checkpoint.load(b / "checkpoint.pt")["model"]
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+    assert timing_free(read_metrics(a / "metrics.csv")) == timing_free(read_metrics(b / "metrics.csv"))
+
+
+class CrashAt(Callback):
+    """Raise after a given step, as a killed or crashed process would stop."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def after_step(self, state: TrainState) -> None:
+        if state.step == self.step:
+            raise RuntimeError(f"simulated crash at step {self.step}")
+
+
+def run_inprocess(run_dir: Path, overrides: list[str], callbacks: list[Callback] | None = None) -> dict:
+    return train(compose_cfg([*TINY, *EXACT, *overrides]), run_dir, callbacks)
+
+
+def cli_command(run_dir: Path, steps: int) -> list[str]:
+    overrides = [o for o in TINY if not o.startswith("trainer.max_steps")]
+    return [sys.executable, "-m", "bnexp", "train", *overrides, *EXACT, f"trainer.max_steps={steps}",
+            "data.train_size=256", f"hydra.run.dir={run_dir}"]
+
+
+def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, min_step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        paths = checkpoint.periodic_checkpoints(run_dir)
+        if paths and int(paths[0].stem.split("-")[1]) >= min_step:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"no checkpoint at step >= {min_step} appeared (exit code {proc.poll()})")
+
+
+def test_sigkill_then_rerun_is_bit_identical(tmp_path: Path) -> None:
+    steps = 60
+    reference = tmp_path / "reference"
+    subprocess.run(cli_command(reference, steps), check=True, capture_output=True)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(cli_command(killed, steps), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_checkpoint(killed, proc, random.Random().randrange(2, steps - 10, 2))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "checkpoint.pt").exists()
+    done = subprocess.run(cli_command(killed, steps), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "resumed_from" in read_summary(killed)
+    assert_same_run(reference, killed)
+
+
+def test_sigterm_checkpoints_and_exits_with_code(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(cli_command(run_dir, 100_000), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    wait_for_checkpoint(run_dir, proc, 2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED == 75
+    assert "SIGTERM" in err and "re-run the same command" in err
+    summary = read_summary(run_dir)
+    assert summary["status"] == "preempted"
+    newest = checkpoint.periodic_checkpoints(run_dir)[0]
+    assert checkpoint.load(newest)["step"] == summary["steps"]
+
+
+def test_crash_then_resume_matches_uninterrupted(tmp_path: Path) -> None:
+    run_inprocess(tmp_path / "reference", ["trainer.max_steps=12"])
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_inprocess(tmp_path / "resumed", ["trainer.max_steps=12"], [CrashAt(7)])
+    assert read_summary(tmp_path / "resumed")["status"] == "failed"
+    assert [p.name for p in checkpoint.periodic_checkpoints(tmp_path / "resumed")] == [
+        "step-000000006.pt", "step-000000004.pt"]  # the newest two are kept
+    summary = run_inprocess(tmp_path / "resumed", ["trainer.max_steps=12"])
+    assert summary["status"] == "completed" and summary["resumed_from"].endswith("step-000000006.pt")
+    assert_same_run(tmp_path / "reference", tmp_path / "resumed")
+    assert not checkpoint.periodic_checkpoints(tmp_path / "resumed")  # pruned once completed
+
+
+def test_truncated_newest_checkpoint_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run_inprocess(tmp_path / "reference", ["trainer.max_steps=12"])
+    with pytest.raises(RuntimeError):
+        run_inprocess(tmp_path / "resumed", ["trainer.max_steps=12"], [CrashAt(7)])
+    newest = checkpoint.periodic_checkpoints(tmp_path / "resumed")[0]
+    newest.write_bytes(newest.read_bytes()[:1000])
+    summary = run_inprocess(tmp_path / "resumed", ["trainer.max_steps=12"])
+    assert summary["resumed_from"].endswith("step-000000004.pt")
+    assert f"unreadable checkpoint {newest}" in caplog.text
+    assert_same_run(tmp_path / "reference", tmp_path / "resumed")
+
+
+def test_no_valid_checkpoint_starts_over(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError):
+        run_inprocess(run_dir, ["trainer.max_steps=8"], [CrashAt(5)])
+    for path in checkpoint.periodic_checkpoints(run_dir):
+        path.write_bytes(b"garbage")
+    summary = run_inprocess(run_dir, ["trainer.max_steps=8"])
+    assert summary["status"] == "completed" and "resumed_from" not in summary
+    assert "starting over" in caplog.text
+
+
+def test_write_failure_keeps_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def failing_save(obj: object, f: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second checkpoint hits a full disk half-way
+            f.write(b"partial")  # type: ignore[attr-defined]
+            raise OSError(28, "No space left on device")
+        real_save(obj, f)
+
+    monkeypatch.setattr(checkpoint.torch, "save", failing_save)
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError):
+        run_inprocess(run_dir, ["trainer.max_steps=12"], [CrashAt(5)])
+    summary = read_summary(run_dir)
+    assert summary["checkpoint_errors"] == ["step 4: [Errno 28] No space left on device"]
+    paths = checkpoint.periodic_checkpoints(run_dir)
+    assert [p.name for p in paths] == ["step-000000002.pt"]
+    assert checkpoint.load(paths[0])["step"] == 2
+    assert not list((run_dir / checkpoint.CHECKPOINT_DIR).glob(".*.tmp"))
+
+
+def test_explicit_resume_path_and_never(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError):
+        run_inprocess(tmp_path / "a", ["trainer.max_steps=8"], [CrashAt(5)])
+    source = checkpoint.periodic_checkpoints(tmp_path / "a")[0]
+    summary = run_inprocess(tmp_path / "b", ["trainer.max_steps=8", f"trainer.resume={source}"])
+    assert summary["resumed_from"] == str(source)
+    summary = run_inprocess(tmp_path / "a", ["trainer.max_steps=8", "trainer.resume=never"])
+    assert "resumed_from" not in summary and summary["status"] == "completed"
+
+
+def test_sweep_survives_failed_and_diverged_cells(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["train", "-m", *TINY, "norm=none", "optim.lr=0.01,1e12,-1", *run_dir_of(tmp_path)]
+    code, out = run_cli(args, capsys)
+    assert code == 0, out
+    statuses = {p.parent.name: read_summary(p.parent)["status"] for p in (tmp_path / "sweep").glob("*/summary.json")}
+    by_lr = {next(part for part in name.split(",") if part.startswith("optim.lr=")): s for name, s in statuses.items()}
+    assert by_lr == {"optim.lr=0.01": "completed", "optim.lr=1000000000000.0": "diverged", "optim.lr=-1": "failed"}
+    assert "3 cells: 1 completed, 1 diverged, 1 failed" in out
+    assert "optim.lr=-1 is not valid" in out and "failed: " in out
