@@ -46,7 +46,7 @@ class Callback:
     """Base class: override the hooks you need."""
 
     def on_train_start(self, state: TrainState) -> None:
-        """After the model, optimizer and data exist, before the first step."""
+        """After the model, optimizer and data exist, before a checkpoint (if any) is restored."""
 
     def before_step(self, state: TrainState) -> None:
         """Before the forward pass of step ``state.step`` (the lr of this step is set)."""

@@ -51,6 +51,9 @@ def _number(cfg: DictConfig, key: str, ok: Callable[[float], bool], rule: str, i
 def validate(cfg: DictConfig) -> None:
     """Reject impossible values with one message naming the key, the value and the rule."""
     _number(cfg, "optim.lr", lambda v: v > 0, "a number > 0")
+    for key in ("optim.lr_w", "optim.lr_g"):
+        if OmegaConf.select(cfg, key) is not None:
+            _number(cfg, key, lambda v: v > 0, "a number > 0 (or null for optim.lr)")
     _number(cfg, "optim.momentum", lambda v: 0 <= v < 1, "in [0, 1)")
     _number(cfg, "optim.weight_decay", lambda v: v >= 0, "a number >= 0")
     _number(cfg, "trainer.batch_size", lambda v: v >= 1, "an integer >= 1", integer=True)

@@ -8,6 +8,7 @@ that the model builder (:mod:`bnexp.models.layers`) asks for modules.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -68,7 +69,62 @@ def _family(cfg: Mapping[str, Any]) -> NormMaker:
         from bnexp.nn import NormFamily1d, NormFamily2d
 
         cls = NormFamily1d if dim == 1 else NormFamily2d
-        return cls(num_features, **{key: cfg[key] for key in BN_FLAGS}, eps=cfg["eps"], momentum=cfg["momentum"])
+        return cls(num_features, **{key: cfg[key] for key in BN_FLAGS}, eps=cfg["eps"], momentum=cfg["momentum"],
+                   amat_eta=amat_eta(cfg))
+
+    return make
+
+
+def amat_eta(cfg: Mapping[str, Any]) -> Optional[float]:
+    """``norm.amat_eta``: ``adaptive`` (None: eta = max(1 - 10 lr, 0)) or a fixed float in [0, 1]."""
+    value = cfg.get("amat_eta", "adaptive")
+    if value == "adaptive":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"norm.amat_eta={value!r} is not valid: use adaptive or a number in [0, 1]")
+    return float(value)
+
+
+@NORM_KINDS.register("bn_si")
+def _bn_si(cfg: Mapping[str, Any]) -> NormMaker:
+    from bnexp.nn import ScaleInvariantBN1d, ScaleInvariantBN2d
+
+    def make(num_features: int, dim: int) -> nn.Module:
+        cls = ScaleInvariantBN1d if dim == 1 else ScaleInvariantBN2d
+        return cls(num_features, eps=cfg["eps"], momentum=cfg["momentum"])  # bound to its op by LayerBuilder
+
+    return make
+
+
+@NORM_KINDS.register("brn")
+def _brn(cfg: Mapping[str, Any]) -> NormMaker:
+    from bnexp.nn import BatchRenorm1d, BatchRenorm2d
+
+    def make(num_features: int, dim: int) -> nn.Module:
+        cls = BatchRenorm1d if dim == 1 else BatchRenorm2d
+        # ramp_steps=null means "the whole run": the trainer sets it once the length is known.
+        return cls(num_features, r_max=cfg["r_max"], d_max=cfg["d_max"], momentum=cfg["momentum"],
+                   eps=cfg["eps"], ramp_steps=cfg.get("ramp_steps"))
+
+    return make
+
+
+@NORM_KINDS.register("gn")
+def _gn(cfg: Mapping[str, Any]) -> NormMaker:
+    def make(num_features: int, dim: int) -> nn.Module:
+        # A layer whose channel count the group count does not divide (the 3 image channels
+        # in front of a before_op stem) uses the largest common divisor.
+        return nn.GroupNorm(math.gcd(int(cfg["groups"]), num_features), num_features, eps=cfg["eps"])
+
+    return make
+
+
+@NORM_KINDS.register("ln")
+def _ln(cfg: Mapping[str, Any]) -> NormMaker:
+    def make(num_features: int, dim: int) -> nn.Module:
+        if dim == 1:
+            return nn.LayerNorm(num_features, eps=cfg["eps"])
+        return nn.GroupNorm(1, num_features, eps=cfg["eps"])  # all of C x H x W per sample
 
     return make
 

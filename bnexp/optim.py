@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
-import torch
+from torch import nn
 from torch.optim import SGD, Optimizer
 from torch.optim.lr_scheduler import ChainedScheduler, ConstantLR, LinearLR, LRScheduler, MultiStepLR
 
 from bnexp.errors import unknown_choice
+from bnexp.scale_invariance import parameter_groups
 
 UNITS = ("epoch", "step")
 SCHEDULES = ("multistep", "constant")
 WARMUPS = ("constant", "linear")
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter] | list[dict[str, Any]], cfg: Mapping[str, Any]) -> Optimizer:
-    """SGD with momentum and L2 weight decay (added to the gradient, as torch.optim.SGD does)."""
+def build_optimizer(model: nn.Module, cfg: Mapping[str, Any]) -> Optimizer:
+    """SGD with momentum and L2 weight decay (added to the gradient, as torch.optim.SGD does).
+
+    Two parameter groups: scale-invariant weights at ``optim.lr_w``, the rest at
+    ``optim.lr_g`` (both default to ``optim.lr``). Group 0 is the ``lr_g`` group; its lr is
+    the one logged and handed to AMAT layers.
+    """
     if cfg["name"] != "sgd":
         raise unknown_choice("optim.name", cfg["name"], ["sgd"])
+    lr_g, lr_w = (cfg["lr"] if cfg.get(key) is None else cfg[key] for key in ("lr_g", "lr_w"))
     return SGD(
-        params,
+        parameter_groups(model, lr_g, lr_w),
         lr=cfg["lr"],
         momentum=cfg.get("momentum", 0.0),
         weight_decay=cfg.get("weight_decay", 0.0),

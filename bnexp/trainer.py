@@ -35,6 +35,7 @@ from bnexp.models import build_model, count_parameters
 from bnexp.optim import build_optimizer, build_schedule, to_steps
 from bnexp.preemption import Preempted, PreemptionGuard
 from bnexp.runinfo import MetricsWriter, resolve_device, seed_everything, version_stamp, write_json
+from bnexp.speed import Accelerated
 
 log = logging.getLogger("bnexp.train")
 
@@ -103,8 +104,9 @@ def record_eval(summary: dict[str, Any], row: dict[str, Any]) -> None:
 class Run:
     """The mutable pieces of one run that a checkpoint must capture besides the model."""
 
-    def __init__(self, state: TrainState, callbacks: list[Callback], summary: dict[str, Any]) -> None:
+    def __init__(self, state: TrainState, callbacks: list[Callback], summary: dict[str, Any], net: Accelerated) -> None:
         self.state = state
+        self.net = net  # the model under the run's amp / channels_last / compile settings
         self.callbacks = callbacks
         self.summary = summary
         self.meter = TrainMeter(state.device)
@@ -123,6 +125,7 @@ class Run:
             "optimizer": s.optimizer.state_dict(),
             "scheduler": s.scheduler.state_dict(),
             "step": s.step,
+            "scaler": self.net.scaler.state_dict(),
             "rng": checkpoint.capture_rng(),
             "meter": self.meter.sums.cpu(),
             "metrics": self.metrics.rows,
@@ -137,6 +140,8 @@ class Run:
         s.optimizer.load_state_dict(payload["optimizer"])
         s.scheduler.load_state_dict(payload["scheduler"])
         s.step = payload["step"]
+        if payload.get("scaler"):  # empty unless trainer.amp=fp16
+            self.net.scaler.load_state_dict(payload["scaler"])
         checkpoint.restore_rng(payload["rng"])
         self.meter.sums.copy_(payload["meter"])
         self.metrics.restore(payload["metrics"])
@@ -182,7 +187,7 @@ class Run:
         self.meter.reset()
         s = self.state
         row = {"step": s.step, "epoch": round(s.epoch, 4), "lr": lr, "train_loss": train_loss,
-               "train_acc": train_acc, **evaluate(s.model, loader, s.device, num_classes),
+               "train_acc": train_acc, **evaluate(self.net, loader, s.device, num_classes),
                "seconds": round(self.seconds(), 3)}
         self.metrics.write(row)
         record_eval(self.summary, row)
@@ -195,20 +200,22 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
     seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
     device = resolve_device(cfg.trainer.device)
     bundle = build_data(cfg.data)
-    loaders = build_loaders(bundle, cfg.data, cfg.trainer.batch_size, cfg.trainer.seed, device.type == "cuda")
+    loaders = build_loaders(bundle, cfg.data, cfg.trainer.batch_size, cfg.trainer.seed, device.type == "cuda", device)
     model = build_model(cfg.model, cfg.norm, cfg.act.name, bundle.spec).to(device)
-    optimizer = build_optimizer(model.parameters(), cfg.optim)
+    net = Accelerated.from_config(model, device, cfg.trainer)
+    optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_schedule(optimizer, cfg.schedule, loaders.steps_per_epoch)
     state = TrainState(cfg, run_dir, device, model, optimizer, scheduler, loaders.steps_per_epoch,
                        total_steps(cfg.trainer, loaders.steps_per_epoch))
-    run = Run(state, callbacks_for(cfg) + extra_callbacks, summary)
-    summary.update(params=count_parameters(model), device=str(device), steps_per_epoch=state.steps_per_epoch)
+    run = Run(state, callbacks_for(cfg) + extra_callbacks, summary, net)
+    summary.update(params=count_parameters(model), device=str(device), steps_per_epoch=state.steps_per_epoch,
+                   loader=loaders.kind)
+    for cb in run.callbacks:
+        cb.on_train_start(state)
     run.resume(str(cfg.trainer.resume))
     eval_every = max(1, to_steps(cfg.trainer.eval_every, cfg.trainer.eval_unit, state.steps_per_epoch))
     ckpt_every = to_steps(cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_unit, state.steps_per_epoch)
     log_every = int(cfg.trainer.log_every)
-    for cb in run.callbacks:
-        cb.on_train_start(state)
 
     model.train()
     stream = loaders.epochs_from(state.step)
@@ -222,13 +229,13 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
             lr = state.lr
             for cb in run.callbacks:
                 cb.before_step(state)
-            logits = model(x)
+            logits = net(x)
             loss = F.cross_entropy(logits, y)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            net.backward(loss, optimizer)
             for cb in run.callbacks:
                 cb.after_backward(state)
-            optimizer.step()
+            net.step(optimizer)
             scheduler.step()
             state.step += 1
             run.meter.add(loss.detach(), logits.detach(), y)

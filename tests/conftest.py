@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# Tests use tiny tensors: one thread avoids oversubscribing a 2-core machine (subprocesses
+# started by the tests inherit the variable).
+os.environ["OMP_NUM_THREADS"] = "1"
+
 import csv
 import json
 import pickle
@@ -9,11 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from bnexp.cli import main
 from bnexp.config import config_dir, register_resolvers
+
+torch.set_num_threads(1)
 
 # Overrides that shrink any run to a few seconds on a CPU.
 TINY = [

@@ -51,15 +51,6 @@ NORMALIZED = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; two threads on shared cores thrash."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def build(name: str, norm: dict = BN, placement: str = "after_op", act: str = "relu", **cfg) -> nn.Module:
     model_cfg, data = TINY[name]
     data = cfg.pop("data", data)

@@ -90,6 +90,8 @@ class LayerBuilder:
         after = normalize and self.placement == AFTER_OP
         pre = self.norm.make(cin, dim) if before and not share_input_norm else nn.Identity()
         post = self.norm.make(cout, dim) if after else nn.Identity()
+        if hasattr(post, "bind"):  # bn_si smooths with the norm of the weight producing each channel
+            post.bind(op)
         return NormOp(op, pre, post, shares_input_norm=before and share_input_norm and self.norm.enabled)
 
     def conv(

@@ -1,0 +1,107 @@
+"""Training hooks that the normalization methods need beyond their modules.
+
+- AMAT layers get the current learning rate before every step (CBN Algorithm 1);
+- BNP rewrites the gradients of every conv/linear between backward and the optimizer step;
+- batch renormalization ramps its clipping limits over the whole run unless told otherwise;
+- ``weights.csv`` logs the norm and effective learning rate of each scale-invariant weight.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from bnexp.callbacks import Callback, TrainState, callback_factory
+from bnexp.nn import BNP, BatchRenorm, NormFamily
+from bnexp.runinfo import MetricsWriter
+from bnexp.scale_invariance import scale_invariant_weights
+
+
+class AmatLearningRate(Callback):
+    """Hand the lr of the coming step to every AMAT layer (only when it changed)."""
+
+    def on_train_start(self, state: TrainState) -> None:
+        self.layers = [m for m in state.model.modules() if isinstance(m, NormFamily) and m.amat]
+        self.lr: Optional[float] = None
+
+    def before_step(self, state: TrainState) -> None:
+        lr = state.lr
+        if lr != self.lr:
+            for m in self.layers:
+                m.set_learning_rate(lr)
+            self.lr = lr
+
+
+class BnpPreconditioner(Callback):
+    """BNP over the whole model: statistics from forward hooks, gradients rewritten after backward."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+
+    def on_train_start(self, state: TrainState) -> None:
+        self.bnp = BNP(state.model, **self.settings)
+
+    def after_backward(self, state: TrainState) -> None:
+        self.bnp.step()
+
+    def on_train_end(self, state: TrainState, status: str) -> None:
+        self.bnp.remove()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.bnp.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.bnp.load_state_dict(state)
+
+
+class RenormRamp(Callback):
+    """``norm.ramp_steps: null``: ramp r_max / d_max over the run's total number of steps."""
+
+    def on_train_start(self, state: TrainState) -> None:
+        for m in state.model.modules():
+            if isinstance(m, BatchRenorm):
+                m.ramp_steps = max(1, state.total_steps)
+
+
+class WeightNormLog(Callback):
+    """At every evaluation: ``||w||`` and ``lr_w / ||w||^2`` of each scale-invariant weight."""
+
+    def on_train_start(self, state: TrainState) -> None:
+        self.weights = scale_invariant_weights(state.model)
+        self.writer = MetricsWriter(Path(state.run_dir) / "weights.csv")
+
+    def on_eval(self, state: TrainState, row: dict[str, Any]) -> None:
+        lr_w = state.optimizer.param_groups[1]["lr"]
+        for name, weight in self.weights:
+            sq = weight.detach().double().square().sum().item()
+            self.writer.write({"step": state.step, "epoch": row["epoch"], "layer": name,
+                               "weight_norm": sq**0.5, "lr_w": lr_w, "effective_lr": lr_w / sq})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows": self.writer.rows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.writer.restore(state.get("rows", []))
+
+
+@callback_factory
+def _amat(cfg: DictConfig) -> Optional[Callback]:
+    return AmatLearningRate() if cfg.norm.get("amat") else None
+
+
+@callback_factory
+def _bnp(cfg: DictConfig) -> Optional[Callback]:
+    settings = cfg.norm.get("bnp")
+    return BnpPreconditioner(OmegaConf.to_container(settings)) if settings is not None else None
+
+
+@callback_factory
+def _renorm(cfg: DictConfig) -> Optional[Callback]:
+    return RenormRamp() if cfg.norm.kind == "brn" and cfg.norm.get("ramp_steps") is None else None
+
+
+@callback_factory
+def _weights(cfg: DictConfig) -> Optional[Callback]:
+    return WeightNormLog()

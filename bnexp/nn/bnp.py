@@ -1,0 +1,207 @@
+"""Batch Normalization Preconditioning (BNP Algorithms 2 and 3, METHODS.md section 4).
+
+BNP leaves the forward alone. A forward pre-hook on every Linear and Conv2d keeps running
+statistics of the layer's input; :meth:`BNP.step`, called between ``backward()`` and the
+optimizer step, replaces the layer's gradients ``[G_b; G_w]`` by ``(1/q2) P P^T [G_b; G_w]``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Callable, Iterator, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from bnexp.nn._base import check_fraction
+
+# (batch mean, batch variance) -> the same, e.g. averaged over DDP ranks.
+StatsReducer = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def preconditioner_matrix(mu: Tensor, s2: Tensor) -> Tensor:
+    """``P = [[1, -mu^T], [0, I]] @ diag(1, 1/sqrt(s2))`` over the vector ``[b, w]``."""
+    n = mu.numel()
+    shift = torch.eye(n + 1, dtype=mu.dtype, device=mu.device)
+    shift[0, 1:] = -mu
+    return shift @ torch.diag(torch.cat([mu.new_ones(1), s2.rsqrt()]))
+
+
+class BNPLayer(nn.Module):
+    """Running input statistics of one Linear or Conv2d layer, and its gradient rewrite.
+
+    Buffers ``mu`` (init 0) and ``sigma2`` (init 1) hold one entry per input feature or
+    input channel. ``batch_stats`` and ``update`` are separate so that batch statistics can
+    be reduced across processes in between.
+    """
+
+    def __init__(self, name: str, layer: nn.Module, rho: float, eps1: float, eps2: float) -> None:
+        super().__init__()
+        self.name = name
+        self.conv = isinstance(layer, nn.Conv2d)
+        self.in_features = layer.in_channels if self.conv else layer.in_features
+        self.groups = layer.groups if self.conv else 1
+        self.fan_in = layer.weight[0].numel()  # (c_in / groups) * kh * kw for a conv
+        self.rho = rho
+        self.eps1 = eps1
+        self.eps2 = eps2
+        self.batch_size: Optional[int] = None  # rows of the last training input (N)
+        self.map_size = 1  # H * W of the last training input (convs)
+        like = {"dtype": layer.weight.dtype, "device": layer.weight.device}
+        self.register_buffer("mu", torch.zeros(self.in_features, **like))
+        self.register_buffer("sigma2", torch.ones(self.in_features, **like))
+
+    def extra_repr(self) -> str:
+        return f"{self.name or '<model>'}: {self.in_features} inputs, groups={self.groups}, fan_in={self.fan_in}"
+
+    def batch_stats(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Mean and biased variance of the input per feature/channel; records N and H*W.
+
+        A statistic over a single value (Linear with batch size 1, or a 1x1 map with batch
+        size 1) takes the variance ``(h - mu)^2`` around the running mean instead.
+        """
+        x = x.detach()
+        if self.conv:
+            if x.dim() == 3:
+                x = x.unsqueeze(0)
+            self.batch_size, self.map_size = x.shape[0], x.shape[2] * x.shape[3]
+            dims = [0, 2, 3]
+        else:
+            x = x.reshape(-1, self.in_features)
+            self.batch_size = x.shape[0]
+            dims = [0]
+        if x.numel() == self.in_features:
+            mean = x.reshape(self.in_features).to(self.mu.dtype)
+            return mean, (mean - self.mu).square()
+        # a half-precision input (autocast) is reduced in the statistics' precision
+        var, mean = torch.var_mean(x.to(torch.promote_types(x.dtype, self.mu.dtype)), dims, correction=0)
+        return mean.to(self.mu.dtype), var.to(self.mu.dtype)
+
+    @torch.no_grad()
+    def update(self, mean: Tensor, var: Tensor) -> None:
+        """``mu <- rho mu + (1 - rho) mean``, the same for ``sigma2``."""
+        self.mu.lerp_(mean, 1.0 - self.rho)
+        self.sigma2.lerp_(var, 1.0 - self.rho)
+
+    def s2(self) -> Tensor:
+        """The regularized variance ``sigma2 + eps1 * max(sigma2) + eps2``."""
+        return self.sigma2 + self.eps1 * self.sigma2.max() + self.eps2
+
+    def q2(self) -> float:
+        """The block scaling ``max(n_in / N, 1)`` (Linear) or ``max(fan_in / N, sqrt(H W))`` (Conv2d)."""
+        if self.batch_size is None:
+            raise RuntimeError(f"BNP layer {self.name!r} has seen no training forward yet")
+        floor = math.sqrt(self.map_size) if self.conv else 1.0
+        return max(self.fan_in / self.batch_size, floor)
+
+    def _per_weight(self, v: Tensor, weight: Tensor) -> Tensor:
+        """``v`` (one entry per input channel) laid out to broadcast against ``weight``.
+
+        In a grouped conv, ``weight[i, j]`` reads input channel ``g * (c_in / groups) + j``
+        where ``g`` is output channel ``i``'s group.
+        """
+        if not self.conv:
+            return v.view(1, -1)
+        if self.groups == 1:
+            return v.view(1, -1, 1, 1)
+        per_group = self.in_features // self.groups
+        rows = weight.shape[0] // self.groups
+        v = v.view(self.groups, 1, per_group).expand(self.groups, rows, per_group)
+        return v.reshape(weight.shape[0], per_group, 1, 1)
+
+    @torch.no_grad()
+    def precondition(self, weight: Tensor, bias: Optional[Tensor]) -> None:
+        """Rewrite ``weight.grad`` and ``bias.grad`` in place (Algorithm 2/3, steps 3-5)."""
+        g_w = weight.grad
+        if g_w is None:
+            return
+        q2 = self.q2()
+        denom = self._per_weight(self.s2(), weight) * q2
+        g_b = None if bias is None else bias.grad
+        if g_b is None:
+            g_w.div_(denom)
+            return
+        mu = self._per_weight(self.mu, weight)
+        new_w = (g_w - mu * g_b.view(-1, *([1] * (g_w.dim() - 1)))) / denom
+        g_b.div_(q2).sub_((new_w * mu).flatten(1).sum(1))
+        g_w.copy_(new_w)
+
+    def matrix(self, group: int = 0) -> Tensor:
+        """The explicit ``P`` for the output channels of ``group``, over ``[b_i, w_i.flatten()]``."""
+        per_group = self.in_features // self.groups
+        part = slice(group * per_group, (group + 1) * per_group)
+        repeat = self.fan_in // per_group  # kernel positions per input channel
+        return preconditioner_matrix(self.mu[part].repeat_interleave(repeat), self.s2()[part].repeat_interleave(repeat))
+
+
+class BNP:
+    """BNP on every Linear and Conv2d of ``model``.
+
+    Statistics update on training-mode forwards only. ``reduce_fn`` receives each layer's
+    batch ``(mean, var)`` before the running update and returns what to use (identity by
+    default; a DDP wrapper all-reduces here). Create BNP after moving the model to its device.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        rho: float = 0.99,
+        eps1: float = 1e-2,
+        eps2: float = 1e-4,
+        reduce_fn: Optional[StatsReducer] = None,
+    ) -> None:
+        check_fraction("rho", rho)
+        if eps1 < 0 or eps2 < 0:
+            raise ValueError(f"eps1 and eps2 must be non-negative, got {eps1}, {eps2}")
+        self.reduce_fn = reduce_fn
+        self._pairs: list[tuple[nn.Module, BNPLayer]] = []
+        self._handles: list[RemovableHandle] = []
+        for name, module in model.named_modules():
+            if isinstance(module, (nn.Linear, nn.Conv2d)):
+                state = BNPLayer(name, module, rho, eps1, eps2)
+                self._pairs.append((module, state))
+                self._handles.append(module.register_forward_pre_hook(partial(self._observe, state)))
+        if not self._pairs:
+            raise ValueError("BNP found no Linear or Conv2d layer in the model")
+
+    def _observe(self, state: BNPLayer, module: nn.Module, args: tuple) -> None:
+        if not module.training:
+            return
+        mean, var = state.batch_stats(args[0])
+        if self.reduce_fn is not None:
+            mean, var = self.reduce_fn(mean, var)
+        state.update(mean, var)
+
+    def layers(self) -> Iterator[BNPLayer]:
+        """The per-layer states, in module order."""
+        return (state for _, state in self._pairs)
+
+    def step(self) -> None:
+        """Precondition the gradients of every layer; call after backward (and any all-reduce)."""
+        for module, state in self._pairs:
+            state.precondition(module.weight, module.bias)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """``{"<layer name>.mu": ..., "<layer name>.sigma2": ...}`` for every layer."""
+        return {_key(state.name, k): v for state in self.layers() for k, v in state.state_dict().items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Restore the running statistics; the keys must match this model's layers exactly."""
+        expected = set(self.state_dict())
+        if set(state_dict) != expected:
+            missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+            raise KeyError(f"BNP state mismatch: missing {missing}, unexpected {unexpected}")
+        for state in self.layers():
+            state.load_state_dict({k: state_dict[_key(state.name, k)] for k in ("mu", "sigma2")})
+
+    def remove(self) -> None:
+        """Detach the forward hooks: the statistics stop updating."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _key(layer: str, buffer: str) -> str:
+    return f"{layer}.{buffer}" if layer else buffer

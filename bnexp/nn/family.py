@@ -1,0 +1,236 @@
+"""The normalization family of METHODS.md section 2: one module, flags, and its presets.
+
+Every forward is written as a per-channel affine map ``y = a * x + b`` whose ``a`` and ``b``
+come from a handful of per-channel tensors, so the only full-size work is one ``var_mean``
+pass (training) and one fused multiply-add.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from bnexp.nn._base import FEATURES, IMAGES, ChannelNorm, affine, check_fraction
+
+AMAT_OMEGA = 10.0  # CBN's omega: eta_k = max(1 - omega * lr_k, 0)
+AMAT_MEAN_GUARD = 1e-6  # |mu_B| below this: r_mu = 1 (no ratio through a vanishing mean)
+
+
+class NormFamily(ChannelNorm):
+    """Flag-driven normalization (METHODS.md section 2); use the 1d/2d subclasses.
+
+    Training, coupled: ``y = gamma * (x + t) / sigma / rho + beta``; decoupled:
+    ``y = (gamma / rho) * (x + t) / sigma``. Here ``t = -mu_B`` when centering (else 0), plus
+    ``beta`` when decoupled, and ``sigma = sqrt(mean_B((x + t)^2) + eps)``, the batch l2 norm
+    of exactly what gets divided, computed as ``var_B + (mu_B + t)^2``. ``scale=False`` drops
+    ``sigma``. Eval mode plugs the running mean and (unbiased) variance, tracked as
+    torch.nn.BatchNorm does, into the same expressions, with the current ``beta``.
+
+    ``amat=True`` replaces the running statistics by CBN's adaptive moving averages
+    (``amat_mean`` = mu_A, ``amat_var`` = sigma_A^2, ``amat_steps``), used by the training
+    forward through stop-gradient ratios and by eval directly. ``amat_eta=None`` is the
+    adaptive ``eta_k = max(1 - 10 lr_k, 0)``, which needs :func:`set_learning_rate` before
+    every training step but the first; a float fixes eta. ``momentum`` is unused with AMAT.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        center: bool = True,
+        scale: bool = True,
+        decouple: bool = False,
+        rho: float = 1.0,
+        amat: bool = False,
+        eps: float = 1e-5,
+        momentum: float = 0.1,
+        amat_eta: Optional[float] = None,
+    ) -> None:
+        super().__init__(num_features, eps)
+        if rho <= 0:
+            raise ValueError(f"rho must be positive, got {rho}")
+        check_fraction("momentum", momentum)
+        if amat and not (center and scale):
+            raise ValueError("amat=True needs center=True and scale=True: AMAT averages both statistics")
+        if amat_eta is not None:
+            if not amat:
+                raise ValueError("amat_eta is only meaningful with amat=True")
+            check_fraction("amat_eta", amat_eta)
+        self.center = center
+        self.scale = scale
+        self.decouple = decouple
+        self.rho = float(rho)
+        self.amat = amat
+        self.momentum = momentum
+        self.amat_eta = amat_eta
+        if amat:
+            self.register_buffer("amat_mean", torch.zeros(num_features))
+            self.register_buffer("amat_var", torch.ones(num_features))
+            self.register_buffer("amat_steps", torch.tensor(0, dtype=torch.long))
+            if amat_eta is None:
+                # eta of the coming step, from the lr that set_learning_rate hands in before each
+                # step (a buffer, so a changing lr costs no recompilation); not state.
+                self.register_buffer("amat_eta_now", torch.tensor(float("nan")), persistent=False)
+                self._lr_known = False
+        else:
+            self.register_buffer("running_mean", torch.zeros(num_features))
+            self.register_buffer("running_var", torch.ones(num_features))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+    def extra_repr(self) -> str:
+        text = (
+            f"{self.num_features}, center={self.center}, scale={self.scale}, decouple={self.decouple}, "
+            f"rho={self.rho}, amat={self.amat}, eps={self.eps}"
+        )
+        if self.amat:
+            return text + f", amat_eta={'adaptive' if self.amat_eta is None else self.amat_eta}"
+        return text + f", momentum={self.momentum}"
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Take the coming step's learning rate: adaptive AMAT sets ``eta_k = max(1 - 10 lr, 0)``.
+
+        eta is computed here in double precision, so ``lr >= 0.1`` gives exactly 0 whatever the
+        buffer's dtype. A fixed ``amat_eta`` ignores the learning rate.
+        """
+        if not self.amat:
+            raise RuntimeError(f"{type(self).__name__} without AMAT does not use a learning rate")
+        if self.amat_eta is None:
+            self.amat_eta_now.fill_(max(1.0 - AMAT_OMEGA * lr, 0.0))
+            self._lr_known = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.check_input(x)
+        if self.amat:
+            return self._amat_train(x) if self.training else self._amat_eval(x)
+        if not self.training:
+            return self._from_stats(x, self.running_mean, self.running_var)
+        n = x.numel() // self.num_features
+        if n < 2:
+            raise ValueError(f"{type(self).__name__} needs more than 1 value per channel in training, got {n}")
+        var, mean = self.batch_var_mean(x)
+        self._track(mean, var, n)
+        return self._from_stats(x, mean, var)
+
+    # -- the formula, shared by every mode --------------------------------------------------
+
+    def _with_beta(self, v: Optional[Tensor]) -> Optional[Tensor]:
+        """``v + beta`` in the decoupled form (``None`` stands for zero), ``v`` otherwise."""
+        if not self.decouple:
+            return v
+        return self.bias if v is None else v + self.bias
+
+    def _variance_eps(self) -> Union[float, Tensor]:
+        """What is added to the second moment under the square root."""
+        return self.eps
+
+    def _sigma(self, var: Tensor, resid: Optional[Tensor]) -> Tensor:
+        """``sqrt(mean((x + t)^2) + eps)`` from ``var`` and ``resid = mean(x + t)`` (None: 0)."""
+        second = var if resid is None else var + resid.square()
+        return (second + self._variance_eps()).sqrt()
+
+    def _output(self, x: Tensor, t: Optional[Tensor], sigma: Optional[Tensor]) -> Tensor:
+        """``gamma / rho * (x + t) / sigma`` plus ``beta`` after the division when coupled."""
+        a = self.weight / self.rho if sigma is None else self.weight / (sigma * self.rho)
+        b = None if t is None else a * t
+        if not self.decouple:
+            b = self.bias if b is None else b + self.bias
+        return affine(x, a, b)
+
+    def _from_stats(self, x: Tensor, mean: Tensor, var: Tensor) -> Tensor:
+        """The plain (non-AMAT) forward from per-channel statistics, batch or running."""
+        t = self._with_beta(-mean if self.center else None)
+        if not self.scale:
+            return self._output(x, t, None)
+        resid = self._with_beta(None if self.center else mean)
+        return self._output(x, t, self._sigma(var, resid))
+
+    def _track(self, mean: Tensor, var: Tensor, n: int) -> None:
+        """torch.nn.BatchNorm's running-statistics update (unbiased variance)."""
+        with torch.no_grad():
+            self.running_mean.lerp_(mean, self.momentum)
+            self.running_var.lerp_(var * (n / (n - 1)), self.momentum)
+            self.num_batches_tracked.add_(1)
+
+    # -- AMAT (CBN Algorithm 1) -------------------------------------------------------------
+
+    def _amat_train(self, x: Tensor) -> Tensor:
+        if self.amat_eta is None and not self._lr_known and bool(self.amat_steps > 0):
+            raise RuntimeError(
+                f"{type(self).__name__} uses adaptive AMAT (eta = max(1 - 10 lr, 0)) but no learning "
+                "rate was given: call bnexp.nn.set_learning_rate(model, lr) before each training step"
+            )
+        var, mean = self.batch_var_mean(x)
+        first = self.amat_steps == 0  # the first step runs on batch statistics and copies them
+        with torch.no_grad():
+            r_mu = torch.where(first | (mean.abs() < AMAT_MEAN_GUARD), 1.0, self.amat_mean / mean)
+        sub = r_mu * mean  # value mu_A, gradient through mu_B
+        sigma = self._sigma(var, self._with_beta(mean - sub))  # sigma_B
+        with torch.no_grad():
+            r_sigma = torch.where(first, 1.0, self.amat_var.sqrt() / sigma)
+        y = self._output(x, self._with_beta(-sub), r_sigma * sigma)
+        self._amat_update(first, mean, sigma)
+        return y
+
+    def _amat_update(self, first: Tensor, mean: Tensor, sigma: Tensor) -> None:
+        """Eqs. (8)-(9) with ``eta_k``, after the forward; ``eta = 0`` on the first step.
+
+        The buffers are replaced, not updated in place: the backward still needs the ratios
+        made from their old values, and under torch.compile an in-place write lets the
+        backward recompute those from the new values (silently wrong gradients).
+        """
+        with torch.no_grad():
+            eta = self.amat_eta_now if self.amat_eta is None else torch.full_like(mean[0], self.amat_eta)
+            weight = 1.0 - torch.where(first, 0.0, eta)
+            self.amat_mean = torch.lerp(self.amat_mean, mean, weight)
+            self.amat_var = torch.lerp(self.amat_var, sigma.square(), weight)
+            self.amat_steps = self.amat_steps + 1
+
+    def _amat_eval(self, x: Tensor) -> Tensor:
+        return self._output(x, self._with_beta(-self.amat_mean), self.amat_var.sqrt())
+
+
+class NormFamily1d(NormFamily):
+    """The normalization family over features: (N, C) or (N, C, L) inputs."""
+
+    input_dims = FEATURES
+
+
+class NormFamily2d(NormFamily):
+    """The normalization family over images: (N, C, H, W), statistics over N*H*W per channel."""
+
+    input_dims = IMAGES
+
+
+class _CBNPreset:
+    def __init__(self, num_features: int, rho: float = 1.0, amat: bool = True, **kw: Any) -> None:
+        super().__init__(num_features, decouple=True, rho=rho, amat=amat, **kw)  # type: ignore[call-arg]
+
+
+class CBN1d(_CBNPreset, NormFamily1d):
+    """Complete BN over features: centered, scaled, decoupled, rho, AMAT (preset ``cbn``)."""
+
+
+class CBN2d(_CBNPreset, NormFamily2d):
+    """Complete BN over images: centered, scaled, decoupled, rho, AMAT (preset ``cbn``)."""
+
+
+class _POPNormPreset:
+    def __init__(self, num_features: int, kappa: float = 4.0, **kw: Any) -> None:
+        super().__init__(num_features, decouple=True, rho=kappa, **kw)  # type: ignore[call-arg]
+
+
+class POPNorm1d(_POPNormPreset, NormFamily1d):
+    """POP-Norm over features: centered, scaled, decoupled, output divided by kappa."""
+
+
+class POPNorm2d(_POPNormPreset, NormFamily2d):
+    """POP-Norm over images: centered, scaled, decoupled, output divided by kappa."""
+
+
+def set_learning_rate(model: nn.Module, lr: float) -> int:
+    """Hand ``lr`` to every AMAT normalization in ``model``; returns how many there are."""
+    layers = [m for m in model.modules() if isinstance(m, NormFamily) and m.amat]
+    for m in layers:
+        m.set_learning_rate(lr)
+    return len(layers)

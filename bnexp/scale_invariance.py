@@ -1,0 +1,32 @@
+"""Scale-invariant weights (Arora, Li, Lyu; METHODS.md section 5).
+
+A weight is scale-invariant when its op feeds a normalization that cancels a positive
+rescaling of it (``after_op`` BN and its coupled relatives, ``bn_si``; see
+:func:`bnexp.nn.is_scale_invariant`). Optimizer parameter groups, the ``weights.csv`` log
+and the ``weights`` probe all take the list from :func:`scale_invariant_weights`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from bnexp.models.layers import normalized_ops
+from bnexp.nn import is_scale_invariant
+
+
+def scale_invariant_weights(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(qualified name, weight)`` of every op whose output normalization is scale-invariant."""
+    return [
+        (f"{name}.op.weight", unit.op.weight)
+        for name, unit in normalized_ops(model)
+        if not isinstance(unit.post, nn.Identity)
+        and is_scale_invariant(unit.post, op_bias=getattr(unit.op, "bias", None) is not None)
+    ]
+
+
+def parameter_groups(model: nn.Module, lr_g: float, lr_w: float) -> list[dict]:
+    """Two optimizer groups: every other parameter at ``lr_g`` first, scale-invariant weights at ``lr_w``."""
+    invariant = {id(p) for _, p in scale_invariant_weights(model)}
+    rest = [p for p in model.parameters() if id(p) not in invariant]
+    chosen = [p for p in model.parameters() if id(p) in invariant]
+    return [{"params": rest, "lr": lr_g, "name": "lr_g"}, {"params": chosen, "lr": lr_w, "name": "lr_w"}]

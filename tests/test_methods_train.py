@@ -1,0 +1,144 @@
+"""The normalization methods inside the trainer: presets, AMAT's lr, BNP, lr_w/lr_g, weights.csv."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bnexp.callbacks import Callback, TrainState
+from bnexp.config import config_dir
+from bnexp.models import DataSpec, build_model
+from bnexp.nn import NormFamily, ScaleInvariantBN
+from bnexp.optim import build_optimizer
+from bnexp.scale_invariance import scale_invariant_weights
+from bnexp.trainer import train
+from tests.conftest import TINY, compose_cfg, read_summary, run_cli, run_dir_of
+
+PRESETS = sorted(p.stem for p in (config_dir() / "norm").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_each_preset_completes(tmp_path: Path, capsys: pytest.CaptureFixture[str], preset: str) -> None:
+    code, out = run_cli(["train", *TINY, f"norm={preset}", *run_dir_of(tmp_path)], capsys)
+    assert code == 0, out
+    assert read_summary(tmp_path / "run")["status"] == "completed"
+
+
+class RecordAmatEta(Callback):
+    """After each forward (so after before_step handed the lr), read every AMAT layer's eta."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, list[float]]] = []
+
+    def after_backward(self, state: TrainState) -> None:
+        etas = [float(m.amat_eta_now) for m in state.model.modules() if isinstance(m, NormFamily) and m.amat]
+        self.seen.append((state.lr, etas))
+
+
+def test_amat_gets_every_steps_lr_through_warmup_and_decay(tmp_path: Path) -> None:
+    cfg = compose_cfg([*TINY, "norm=cbn", "trainer.max_steps=9", "schedule.unit=step", "schedule.milestones=[6]",
+                       "schedule.warmup=3", "schedule.warmup_factor=0.1", "optim.lr=0.05"])
+    recorder = RecordAmatEta()
+    train(cfg, tmp_path, [recorder])
+    lrs = [lr for lr, _ in recorder.seen]
+    assert lrs == pytest.approx([0.005] * 3 + [0.05] * 3 + [0.005] * 3)
+    for lr, etas in recorder.seen:
+        assert len(etas) == 19 and etas == pytest.approx([max(1 - 10 * lr, 0.0)] * 19)
+
+
+def test_fixed_amat_eta(tmp_path: Path) -> None:
+    cfg = compose_cfg([*TINY, "norm=cbn", "norm.amat_eta=0.9"])
+    model = build_model(cfg.model, cfg.norm, "relu", DataSpec(10, 3, 8))
+    layers = [m for m in model.modules() if isinstance(m, NormFamily)]
+    assert layers and all(m.amat and m.amat_eta == 0.9 for m in layers)
+    with pytest.raises(Exception, match="amat_eta"):
+        build_model(cfg.model, {**cfg.norm, "amat_eta": 2.0}, "relu", DataSpec(10, 3, 8))
+
+
+def test_bnp_rewrites_gradients_in_training(tmp_path: Path) -> None:
+    """A BNP run and a plain run with biases start from the same weights and then differ."""
+    finals = {}
+    for preset in ("bnp", "none"):
+        cfg = compose_cfg([*TINY, f"norm={preset}", "norm.op_bias=true", "trainer.max_steps=3"])
+        finals[preset] = train(cfg, tmp_path / preset)["final_train_loss"]
+    assert finals["bnp"] != finals["none"]
+    ckpt = torch.load(tmp_path / "bnp" / "checkpoint.pt", weights_only=False)
+    (bnp_state,) = [v for k, v in ckpt["callbacks"].items() if k.endswith("BnpPreconditioner")]
+    assert any(k.endswith("sigma2") for k in bnp_state)
+
+
+def build_tiny(norm: str, **overrides: object) -> nn.Module:
+    cfg = compose_cfg([*TINY, f"norm={norm}"])
+    norm_cfg = {**cfg.norm, **overrides}
+    torch.manual_seed(0)
+    return build_model(cfg.model, norm_cfg, "relu", DataSpec(10, 3, 8)).double()
+
+
+def test_scale_invariant_tags() -> None:
+    bn = build_tiny("bn")
+    tagged = scale_invariant_weights(bn)
+    assert len(tagged) == 19 and all(name.endswith("op.weight") for name, _ in tagged)
+    assert scale_invariant_weights(build_tiny("cbn")) == []  # decoupled: beta enters before the division
+    assert scale_invariant_weights(build_tiny("bn", placement="before_op")) == []
+    assert len(scale_invariant_weights(build_tiny("bn_si"))) == 19
+
+
+def loss_after_scaling(model: nn.Module, factor: float) -> float:
+    x = torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y = torch.arange(16) % 10
+    with torch.no_grad():
+        for _, w in scale_invariant_weights(model):
+            w.mul_(factor)
+        model.train()
+        loss = F.cross_entropy(model(x), y).item()
+        for _, w in scale_invariant_weights(model):
+            w.div_(factor)
+    return loss
+
+
+def test_scaling_tagged_weights_keeps_training_loss() -> None:
+    model = build_tiny("bn", eps=1e-30)  # eps -> 0: plain BN is invariant up to its smoothing
+    assert loss_after_scaling(model, 3.0) == pytest.approx(loss_after_scaling(model, 1.0), abs=1e-10)
+
+
+def test_bn_si_invariant_with_tiny_variance() -> None:
+    """Make one channel of the first conv nearly constant: plain BN's eps now matters, bn_si's does not."""
+    losses = {}
+    for norm in ("bn_si", "bn"):
+        model = build_tiny(norm, eps=1e-3)
+        with torch.no_grad():
+            model.stem.op.weight[0].mul_(1e-4)
+        losses[norm] = (loss_after_scaling(model, 3.0), loss_after_scaling(model, 1.0))
+    assert losses["bn_si"][0] == pytest.approx(losses["bn_si"][1], abs=1e-10)
+    assert abs(losses["bn"][0] - losses["bn"][1]) > 1e-6
+    assert isinstance(build_tiny("bn_si").stem.post, ScaleInvariantBN)
+
+
+def test_lr_w_and_lr_g_groups() -> None:
+    cfg = compose_cfg([*TINY, "optim.lr_w=0.5", "optim.lr_g=0.01"])
+    model = build_tiny("bn")
+    opt = build_optimizer(model, cfg.optim)
+    (g, w) = opt.param_groups
+    assert (g["lr"], w["lr"]) == (0.01, 0.5)
+    assert {id(p) for p in w["params"]} == {id(p) for _, p in scale_invariant_weights(model)}
+    assert len(g["params"]) + len(w["params"]) == len(list(model.parameters()))
+    defaults = build_optimizer(model, compose_cfg(TINY).optim)
+    assert [grp["lr"] for grp in defaults.param_groups] == [0.1, 0.1]
+
+
+def test_weights_csv(tmp_path: Path) -> None:
+    cfg = compose_cfg([*TINY, "optim.lr_w=0.5", "trainer.eval_every=2", "trainer.eval_unit=step"])
+    train(cfg, tmp_path)
+    with open(tmp_path / "weights.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["step"] for r in rows} == {"2", "4"} and len(rows) == 2 * 19
+    final = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["model"]
+    for row in rows[19:]:
+        norm = final[row["layer"]].double().norm().item()
+        assert float(row["weight_norm"]) == pytest.approx(norm, rel=1e-12)
+        assert float(row["effective_lr"]) == pytest.approx(0.5 / norm**2, rel=1e-12)

@@ -1,0 +1,263 @@
+"""AMAT (CBN Algorithm 1, METHODS.md section 2) against an explicit per-channel reference."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from bnexp.nn import CBN1d, CBN2d, NormFamily1d, NormFamily2d, set_learning_rate
+
+DT = torch.float64
+EPS = 1e-5
+RHO = 1.7
+VIEW = {1: (1, 3), 2: (1, 3, 1, 1)}
+
+
+def make(dim: int, decouple: bool = True, **kw) -> nn.Module:
+    cls = NormFamily1d if dim == 1 else NormFamily2d
+    m = cls(3, decouple=decouple, rho=RHO, amat=True, eps=EPS, **kw).to(DT)
+    with torch.no_grad():
+        m.weight.copy_(torch.tensor([0.8, 1.3, 1.1]))
+        m.bias.copy_(torch.tensor([0.4, -0.9, 0.2]))
+    return m
+
+
+def batch(dim: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((6, 3) if dim == 1 else (3, 3, 2, 2), generator=g, dtype=DT)
+    return x * torch.tensor([0.5, 2.0, 1.0], dtype=DT).view(VIEW[dim]) + torch.tensor([1.0, -2.0, 0.5], dtype=DT).view(VIEW[dim])
+
+
+def reference(batches, gamma, beta, etas, decouple=True):
+    """Algorithm 1 written out channel by channel: outputs and (mu_A, sigma_A^2) per step.
+
+    ``etas[k]`` is the eta of step k; step 0 always runs on its own statistics and copies them.
+    """
+    mu_a, s2_a = [0.0] * 3, [1.0] * 3
+    outs, states = [], []
+    for k, x in enumerate(batches):
+        y = torch.empty_like(x)
+        for c in range(3):
+            xc = x[:, c]
+            mu_b = xc.mean()
+            centre = mu_b if k == 0 or abs(mu_b) < 1e-6 else mu_a[c]
+            x1 = xc - centre + (beta[c] if decouple else 0.0)
+            s2_b = (x1**2).mean() + EPS
+            denom = math.sqrt(s2_b) if k == 0 else math.sqrt(s2_a[c])
+            y[:, c] = gamma[c] / RHO * x1 / denom + (0.0 if decouple else beta[c])
+            eta = 0.0 if k == 0 else etas[k]
+            mu_a[c] = eta * mu_a[c] + (1 - eta) * float(mu_b)
+            s2_a[c] = eta * s2_a[c] + (1 - eta) * float(s2_b)
+        outs.append(y)
+        states.append((torch.tensor(mu_a, dtype=DT), torch.tensor(s2_a, dtype=DT)))
+    return outs, states
+
+
+def params(m):
+    return m.weight.detach().tolist(), m.bias.detach().tolist()
+
+
+@pytest.mark.parametrize("lr,eta", [(0.0, 1.0), (0.02, 0.8), (0.05, 0.5), (0.1, 0.0), (0.3, 0.0)])
+def test_adaptive_eta_is_max_one_minus_ten_lr(lr, eta):
+    m = make(2)
+    set_learning_rate(m, lr)
+    batches = [batch(2, s) for s in range(3)]
+    outs = [m(x) for x in batches]
+    ref_outs, states = reference(batches, *params(m), etas=[None, eta, eta])
+    for got, want in zip(outs, ref_outs):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m.amat_mean, states[-1][0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m.amat_var, states[-1][1], rtol=1e-12, atol=1e-12)
+    assert int(m.amat_steps) == 3
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+def test_lr_one_tenth_runs_on_the_previous_batch_statistics(dim):
+    m = make(dim)
+    set_learning_rate(m, 0.1)
+    prev, cur = batch(dim, 0), batch(dim, 1)
+    m(prev)
+    dims = [0] if dim == 1 else [0, 2, 3]
+    gamma, beta = m.weight.detach().view(VIEW[dim]), m.bias.detach().view(VIEW[dim])
+    mu_prev = prev.mean(dims, keepdim=True)
+    sigma_prev = torch.sqrt(((prev - mu_prev + beta) ** 2).mean(dims, keepdim=True) + EPS)
+    expected = gamma / RHO * (cur - mu_prev + beta) / sigma_prev
+    torch.testing.assert_close(m(cur), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+@pytest.mark.parametrize("decouple", [True, False])
+def test_fixed_eta_follows_eqs_8_and_9(dim, decouple):
+    m = make(dim, decouple=decouple, amat_eta=0.9)  # no learning rate needed
+    batches = [batch(dim, s) for s in range(4)]
+    outs = [m(x) for x in batches]
+    ref_outs, states = reference(batches, *params(m), etas=[0.9] * 4, decouple=decouple)
+    for got, want in zip(outs, ref_outs):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m.amat_mean, states[-1][0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m.amat_var, states[-1][1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("decouple", [True, False])
+def test_first_step_uses_and_copies_batch_statistics(decouple):
+    m = make(2, decouple=decouple)
+    plain = NormFamily2d(3, decouple=decouple, rho=RHO, eps=EPS).to(DT)
+    plain.load_state_dict({**plain.state_dict(), "weight": m.weight, "bias": m.bias})
+    x = batch(2, 0)
+    torch.testing.assert_close(m(x), plain(x), rtol=1e-12, atol=1e-12)
+    mu = x.mean([0, 2, 3])
+    var = x.var([0, 2, 3], unbiased=False)
+    extra = m.bias.detach() ** 2 if decouple else 0.0
+    torch.testing.assert_close(m.amat_mean, mu, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m.amat_var, var + extra + EPS, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("decouple", [True, False])
+def test_eval_uses_amat_statistics(decouple):
+    m = make(2, decouple=decouple, amat_eta=0.5)
+    for s in range(3):
+        m(batch(2, s))
+    m.eval()
+    before = copy.deepcopy(m.state_dict())
+    x = batch(2, 8)
+    v = VIEW[2]
+    gamma, beta = m.weight.detach().view(v), m.bias.detach().view(v)
+    x1 = x - m.amat_mean.view(v) + (beta if decouple else 0.0)
+    expected = gamma / RHO * x1 / m.amat_var.sqrt().view(v) + (0.0 if decouple else beta)
+    torch.testing.assert_close(m(x), expected, rtol=1e-12, atol=1e-12)
+    for name, value in m.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def hand_gradients(x, up, gamma, beta, mu_a, s2_a, decouple):
+    """dL/dx, dL/dgamma, dL/dbeta of L = sum(up * y) with the stop-gradient ratios as constants.
+
+    Per channel (n values): z = x - r_mu mu_B + beta, s = sqrt(mean(z^2) + eps), y = a z / s
+    with a = gamma / (rho r_s). Then dz_i/dx_j = delta_ij - r_mu / n and
+    ds/dx_j = (z_j - r_mu mean(z)) / (n s), so
+    dL/dx_j = a [(u_j - r_mu mean(u)) / s - sum(u z) (z_j - r_mu mean(z)) / (n s^3)].
+    """
+    gx = torch.empty_like(x)
+    ggamma, gbeta = torch.empty(3, dtype=DT), torch.empty(3, dtype=DT)
+    for c in range(3):
+        xc, u = x[:, c].flatten(), up[:, c].flatten()
+        n = xc.numel()
+        mu_b = xc.mean()
+        r_mu = 1.0 if abs(mu_b) < 1e-6 else mu_a[c] / mu_b
+        z = xc - r_mu * mu_b + (beta[c] if decouple else 0.0)
+        s = torch.sqrt((z**2).mean() + EPS)
+        r_s = math.sqrt(s2_a[c]) / s
+        a = gamma[c] / (RHO * r_s)
+        uz = (u * z).sum()
+        gx[:, c] = (a * ((u - r_mu * u.mean()) / s - uz * (z - r_mu * z.mean()) / (n * s**3))).view(x[:, c].shape)
+        ggamma[c] = uz / (RHO * r_s * s)
+        gbeta[c] = a * (u.sum() / s - uz * z.mean() / s**3) if decouple else u.sum()
+    return gx, ggamma, gbeta
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+@pytest.mark.parametrize("decouple", [True, False])
+def test_gradients_equal_the_hand_derived_stop_gradient_formula(dim, decouple):
+    m = make(dim, decouple=decouple)
+    set_learning_rate(m, 0.03)
+    m(batch(dim, 0))
+    m(batch(dim, 1))  # two steps: mu_A, sigma_A differ from the coming batch's
+    mu_a, s2_a = m.amat_mean.tolist(), m.amat_var.tolist()
+    x = batch(dim, 2).requires_grad_()
+    up = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=DT)
+    (m(x) * up).sum().backward()
+    gx, ggamma, gbeta = hand_gradients(x.detach(), up, *params(m), mu_a, s2_a, decouple)
+    torch.testing.assert_close(x.grad, gx, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(m.weight.grad, ggamma, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(m.bias.grad, gbeta, rtol=1e-10, atol=1e-12)
+    # The ratios really are in play: the gradient is not the plain batch-statistics one.
+    plain = NormFamily1d(3, decouple=decouple, rho=RHO, eps=EPS) if dim == 1 else NormFamily2d(3, decouple=decouple, rho=RHO, eps=EPS)
+    plain = plain.to(DT)
+    plain.load_state_dict({**plain.state_dict(), "weight": m.weight, "bias": m.bias})
+    x2 = x.detach().clone().requires_grad_()
+    (plain(x2) * up).sum().backward()
+    assert not torch.allclose(x.grad, x2.grad, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("offset", [0.0, 5e-7])
+def test_mean_guard_uses_the_batch_mean(offset):
+    m = make(1, amat_eta=0.5)
+    m(batch(1, 0))  # mu_A of channel 0 is about 1
+    half = torch.tensor([0.3, -1.2, 0.7], dtype=DT)
+    col0 = torch.cat([half, -half]) + offset  # batch mean of channel 0: |mu_B| < 1e-6
+    x = batch(1, 1)
+    x[:, 0] = col0
+    x.requires_grad_()
+    mu_a, s2_a = m.amat_mean.tolist(), m.amat_var.tolist()
+    y = m(x)
+    gamma, beta = params(m)
+    mu_b = col0.mean()
+    expected0 = gamma[0] / RHO * (col0 - mu_b + beta[0]) / math.sqrt(s2_a[0])
+    torch.testing.assert_close(y[:, 0], expected0, rtol=1e-12, atol=1e-12)
+    up = torch.randn(x.shape, generator=torch.Generator().manual_seed(4), dtype=DT)
+    (y * up).sum().backward()
+    gx, _, _ = hand_gradients(x.detach(), up, gamma, beta, mu_a, s2_a, True)
+    assert torch.isfinite(x.grad).all()
+    torch.testing.assert_close(x.grad, gx, rtol=1e-10, atol=1e-12)
+
+
+def test_adaptive_amat_without_learning_rate_raises_after_the_first_step():
+    m = make(2)
+    m(batch(2, 0))  # step 0 needs no learning rate
+    with pytest.raises(RuntimeError, match="set_learning_rate"):
+        m(batch(2, 1))
+    m.eval()
+    m(batch(2, 1))  # eval needs none either
+    m.train()
+    set_learning_rate(m, 0.05)
+    m(batch(2, 1))
+
+
+def test_set_learning_rate_reaches_every_amat_layer():
+    model = nn.Sequential(CBN2d(3), NormFamily2d(3), nn.Conv2d(3, 3, 1), CBN1d(2, amat_eta=0.9))
+    assert set_learning_rate(model, 0.025) == 2
+    assert float(model[0].amat_eta_now) == 0.75
+    assert not hasattr(model[3], "amat_eta_now")  # a fixed eta ignores the lr
+
+
+def test_lr_of_one_tenth_gives_exactly_zero_eta_in_low_precision():
+    m = CBN2d(3).half()
+    set_learning_rate(m, 0.1)
+    assert float(m.amat_eta_now) == 0.0
+
+
+def test_state_dict_holds_amat_buffers_but_not_the_learning_rate():
+    m = CBN2d(3)
+    assert set(m.state_dict()) == {"weight", "bias", "amat_mean", "amat_var", "amat_steps"}
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+@pytest.mark.parametrize("decouple", [True, False])
+def test_gradcheck(dim, decouple):
+    m = make(dim, decouple=decouple)
+    set_learning_rate(m, 0.03)
+    x0 = batch(dim, 0).requires_grad_()
+    gamma = m.weight.detach().clone().requires_grad_()
+    beta = m.bias.detach().clone().requires_grad_()
+
+    def run(saved):
+        def f(x, w, b):
+            m.load_state_dict(saved)  # gradcheck calls f many times; restore the AMAT buffers
+            return torch.func.functional_call(m, {"weight": w, "bias": b}, (x,))
+
+        return f
+
+    # Step 0 runs on batch statistics: the full gradient is the true derivative.
+    assert torch.autograd.gradcheck(run(copy.deepcopy(m.state_dict())), (x0, gamma, beta))
+    # Later steps: the stop-gradient ratios make autograd differ from the derivative of the
+    # forward value on purpose (checked by hand above); gamma stays outside the ratios.
+    m(batch(dim, 1))
+    f = run(copy.deepcopy(m.state_dict()))
+    x1 = batch(dim, 2)
+    assert torch.autograd.gradcheck(lambda w: f(x1, w, beta.detach()), (gamma,))
+    m.eval()
+    assert torch.autograd.gradcheck(run(copy.deepcopy(m.state_dict())), (x0, gamma, beta))
