@@ -35,3 +35,25 @@ demo: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# ---- Reproducing the papers (docs/experiments.md) ----------------------------------
+# `make reproduce-<paper>-<name>` runs the preset configs/experiment/<paper>/<name>.yaml
+# through `bnexp reproduce` (count and cost, the sweep, then the table), e.g.
+#   make reproduce-table1 SCALE=quick      CBN Table 1 at toy scale on a CPU
+#   make reproduce-bnp-fc FORCE=1          full scale even without a GPU
+#   make reproduce-cbn-table3 TUNE_SEEDS=2 rho grid on 2 seeds, winners on all
+# ARGS passes Hydra overrides, e.g. ARGS='hydra/launcher=joblib data.root=/datasets'.
+# `make reproduce-list` prints every target.
+SCALE ?= full
+REPRODUCE_ARGS = scale=$(SCALE) $(if $(FORCE),force=true) $(if $(TUNE_SEEDS),tune_seeds=$(TUNE_SEEDS)) $(ARGS)
+
+.PHONY: reproduce-table1 reproduce-list
+
+reproduce-table1: reproduce-cbn-table1
+
+reproduce-list:
+	@for f in configs/experiment/*/*.yaml; do p=$${f#configs/experiment/}; p=$${p%.yaml}; \
+		echo "make reproduce-$${p%%/*}-$${p#*/}"; done
+
+reproduce-%: install
+	$(BNEXP) reproduce $(subst -,/,$*) $(REPRODUCE_ARGS)

@@ -17,6 +17,8 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from bnexp.distributed import Dist
+
 
 @dataclass
 class TrainState:
@@ -31,7 +33,7 @@ class TrainState:
     steps_per_epoch: int
     total_steps: int
     step: int = 0  # optimizer steps taken so far
-    extra: dict[str, Any] = field(default_factory=dict)
+    dist: Dist = field(default_factory=Dist)  # rank and world size (rank 0 of 1 unless under torchrun)
 
     @property
     def epoch(self) -> float:

@@ -12,6 +12,22 @@ class BnexpError(Exception):
 
     exit_code = EXIT_FAILED
 
+    def __init__(self, message: str) -> None:
+        super().__init__(_from_worker(message, type(self)))
+
+
+def _from_worker(message: str, cls: type) -> str:
+    """The original message of an error a DataLoader worker raised.
+
+    torch re-raises a worker's exception in the main process as ``cls(text)``, where the
+    text is "Caught <name> in DataLoader worker process <n>" followed by the worker's whole
+    traceback; its last line, "<module>.<name>: <message>", holds the message itself.
+    """
+    if not message.startswith(f"Caught {cls.__name__} in DataLoader worker process"):
+        return message
+    _, found, original = message.rpartition(f"\n{cls.__module__}.{cls.__qualname__}: ")
+    return original.rstrip("\n") if found else message
+
 
 class ConfigError(BnexpError):
     """An impossible or unknown configuration value."""

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from bnexp.callbacks import Callback, TrainState, callback_factory
+from bnexp.distributed import bnp_reducer
 from bnexp.nn import BNP, BatchRenorm, NormFamily
 from bnexp.runinfo import MetricsWriter
 from bnexp.scale_invariance import scale_invariant_weights
@@ -41,7 +42,9 @@ class BnpPreconditioner(Callback):
         self.settings = settings
 
     def on_train_start(self, state: TrainState) -> None:
-        self.bnp = BNP(state.model, **self.settings)
+        # Under torchrun the batch statistics are combined over processes before each update.
+        reduce_fn = bnp_reducer if state.dist.enabled else None
+        self.bnp = BNP(state.model, **self.settings, reduce_fn=reduce_fn, processes=state.dist.world_size)
 
     def after_backward(self, state: TrainState) -> None:
         self.bnp.step()
@@ -70,7 +73,7 @@ class WeightNormLog(Callback):
 
     def on_train_start(self, state: TrainState) -> None:
         self.weights = scale_invariant_weights(state.model)
-        self.writer = MetricsWriter(Path(state.run_dir) / "weights.csv")
+        self.writer = MetricsWriter(Path(state.run_dir) / "weights.csv", enabled=state.dist.is_main)
 
     def on_eval(self, state: TrainState, row: dict[str, Any]) -> None:
         lr_w = state.optimizer.param_groups[1]["lr"]

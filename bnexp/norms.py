@@ -56,8 +56,15 @@ BN_FLAGS = {"center": True, "scale": True, "decouple": False, "rho": 1.0, "amat"
 
 
 def is_plain_bn(cfg: Mapping[str, Any]) -> bool:
-    """True when the family flags reduce to vanilla BN (then torch's own module is used)."""
-    return all(cfg.get(key, default) == default for key, default in BN_FLAGS.items())
+    """True when the family flags reduce to vanilla BN without cross-process statistics
+    (then torch's own module is used; ``norm.sync`` needs bnexp's, which syncs on any device)."""
+    return not cfg.get("sync") and all(cfg.get(key, default) == default for key, default in BN_FLAGS.items())
+
+
+def with_sync(module: nn.Module, cfg: Mapping[str, Any]) -> nn.Module:
+    """Set ``norm.sync`` on a bnexp normalization (batch statistics over all processes)."""
+    module.sync = bool(cfg.get("sync", False))
+    return module
 
 
 @NORM_KINDS.register("family")
@@ -69,8 +76,9 @@ def _family(cfg: Mapping[str, Any]) -> NormMaker:
         from bnexp.nn import NormFamily1d, NormFamily2d
 
         cls = NormFamily1d if dim == 1 else NormFamily2d
-        return cls(num_features, **{key: cfg[key] for key in BN_FLAGS}, eps=cfg["eps"], momentum=cfg["momentum"],
-                   amat_eta=amat_eta(cfg))
+        module = cls(num_features, **{key: cfg[key] for key in BN_FLAGS}, eps=cfg["eps"], momentum=cfg["momentum"],
+                     amat_eta=amat_eta(cfg))
+        return with_sync(module, cfg)
 
     return make
 
@@ -91,7 +99,7 @@ def _bn_si(cfg: Mapping[str, Any]) -> NormMaker:
 
     def make(num_features: int, dim: int) -> nn.Module:
         cls = ScaleInvariantBN1d if dim == 1 else ScaleInvariantBN2d
-        return cls(num_features, eps=cfg["eps"], momentum=cfg["momentum"])  # bound to its op by LayerBuilder
+        return with_sync(cls(num_features, eps=cfg["eps"], momentum=cfg["momentum"]), cfg)  # bound to its op later
 
     return make
 
@@ -103,8 +111,9 @@ def _brn(cfg: Mapping[str, Any]) -> NormMaker:
     def make(num_features: int, dim: int) -> nn.Module:
         cls = BatchRenorm1d if dim == 1 else BatchRenorm2d
         # ramp_steps=null means "the whole run": the trainer sets it once the length is known.
-        return cls(num_features, r_max=cfg["r_max"], d_max=cfg["d_max"], momentum=cfg["momentum"],
-                   eps=cfg["eps"], ramp_steps=cfg.get("ramp_steps"))
+        module = cls(num_features, r_max=cfg["r_max"], d_max=cfg["d_max"], momentum=cfg["momentum"],
+                     eps=cfg["eps"], ramp_steps=cfg.get("ramp_steps"))
+        return with_sync(module, cfg)
 
     return make
 

@@ -14,6 +14,7 @@ import threading
 from types import FrameType
 from typing import Any
 
+from bnexp.distributed import max_over_ranks
 from bnexp.errors import EXIT_PREEMPTED
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -50,6 +51,12 @@ class PreemptionGuard:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    def agreed(self) -> bool:
+        """Whether any process received a signal; under torchrun every process calls this
+        each step, so all of them checkpoint and stop at the same step."""
+        self.signum = max_over_ranks(self.signum or 0) or None
+        return self.signum is not None
 
     def forward(self) -> None:
         """Call the handler that was installed before ours for the received signal."""

@@ -28,12 +28,18 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when present; asking for CUDA without one is a config error."""
+def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
+    """``auto`` picks CUDA when present; asking for CUDA without one is a config error.
+
+    A CUDA device is the current one (``torch.cuda.set_device``), or GPU ``local_rank``
+    for a process started by torchrun.
+    """
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device() if local_rank is None else local_rank)
     return torch.device(name)
 
 
@@ -58,15 +64,22 @@ def version_stamp() -> dict[str, Any]:
 
 
 class MetricsWriter:
-    """Appends one row per evaluation to ``metrics.csv`` (header from the first row)."""
+    """Appends one row per evaluation to a CSV file (header from the first row).
 
-    def __init__(self, path: Path) -> None:
+    Every process keeps the rows (checkpoints hold them); only an ``enabled`` writer (rank
+    0 of a multi-process run) touches the file.
+    """
+
+    def __init__(self, path: Path, enabled: bool = True) -> None:
         self.path = path
+        self.enabled = enabled
         self.rows: list[dict[str, Any]] = []
 
     def write(self, row: Mapping[str, Any]) -> None:
         new = not self.rows
         self.rows.append(dict(row))
+        if not self.enabled:
+            return
         with open(self.path, "w" if new else "a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(self.rows[0]))
             if new:
@@ -76,7 +89,8 @@ class MetricsWriter:
     def restore(self, rows: list[dict[str, Any]]) -> None:
         """Rewrite the file with exactly ``rows`` (the rows a checkpoint had seen)."""
         self.rows = []
-        self.path.unlink(missing_ok=True)
+        if self.enabled:
+            self.path.unlink(missing_ok=True)
         for row in rows:
             self.write(row)
 

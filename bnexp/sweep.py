@@ -67,6 +67,8 @@ class SweepReport(Callback):
         ledger = Path(os.environ.pop(LEDGER_ENV, ""))
         if not ledger.name or not ledger.is_file():
             return
-        entries = [json.loads(line) for line in ledger.read_text().splitlines() if line.strip()]
+        # One entry per run directory (a multi-task SLURM job reports once per task).
+        by_dir = {e["dir"]: e for e in (json.loads(line) for line in ledger.read_text().splitlines() if line.strip())}
+        entries = list(by_dir.values())
         ledger.unlink()
         print(format_report(entries), flush=True)

@@ -30,6 +30,8 @@ from bnexp.callbacks import Callback, TrainState, callbacks_for
 from bnexp.config import validate
 from bnexp.data import build_data
 from bnexp.data.loaders import build_loaders
+from bnexp import distributed
+from bnexp.distributed import gather_objects, sum_over_ranks
 from bnexp.errors import ConfigError
 from bnexp.models import build_model, count_parameters
 from bnexp.optim import build_optimizer, build_schedule, to_steps
@@ -42,7 +44,8 @@ log = logging.getLogger("bnexp.train")
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, num_classes: int) -> dict[str, float]:
-    """Mean cross-entropy and top-1 (and top-5 when there are more than 5 classes) in percent."""
+    """Mean cross-entropy and top-1 (and top-5 when there are more than 5 classes) in percent,
+    over this process's share of the test set summed with the other processes' shares."""
     was_training = model.training
     model.eval()
     loss = torch.zeros((), device=device, dtype=torch.float64)
@@ -57,9 +60,10 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, num_cla
         correct += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum()]).double()
         count += len(y)
     model.train(was_training)
-    out = {"test_loss": loss.item() / count, "test_acc": 100 * correct[0].item() / count}
+    loss_sum, top1, topk, count = sum_over_ranks(torch.cat([loss[None], correct, correct.new_tensor([count])])).tolist()
+    out = {"test_loss": loss_sum / count, "test_acc": 100 * top1 / count}
     if k == 5:
-        out["test_top5"] = 100 * correct[1].item() / count
+        out["test_top5"] = 100 * topk / count
     return out
 
 
@@ -78,8 +82,8 @@ class TrainMeter:
         self.sums += torch.stack([loss.double() * n, correct, n])
 
     def read(self) -> tuple[float, float]:
-        """(mean loss, accuracy in percent) since the last reset; NaN loss if non-finite."""
-        loss_sum, correct, n = self.sums.tolist()
+        """(mean loss, accuracy in percent) over all processes since the last reset; NaN if non-finite."""
+        loss_sum, correct, n = sum_over_ranks(self.sums.clone()).tolist()
         return (loss_sum / n, 100 * correct / n) if n else (float("nan"), float("nan"))
 
 
@@ -110,7 +114,7 @@ class Run:
         self.callbacks = callbacks
         self.summary = summary
         self.meter = TrainMeter(state.device)
-        self.metrics = MetricsWriter(state.run_dir / "metrics.csv")
+        self.metrics = MetricsWriter(state.run_dir / "metrics.csv", enabled=state.dist.is_main)
         self.elapsed_before = 0.0  # seconds trained before the latest resume
         self.started = time.perf_counter()
 
@@ -126,7 +130,7 @@ class Run:
             "scheduler": s.scheduler.state_dict(),
             "step": s.step,
             "scaler": self.net.scaler.state_dict(),
-            "rng": checkpoint.capture_rng(),
+            "rng": gather_objects(checkpoint.capture_rng()),  # one entry per process
             "meter": self.meter.sums.cpu(),
             "metrics": self.metrics.rows,
             "callbacks": {f"{i}:{type(cb).__name__}": cb.state_dict() for i, cb in enumerate(self.callbacks)},
@@ -142,7 +146,7 @@ class Run:
         s.step = payload["step"]
         if payload.get("scaler"):  # empty unless trainer.amp=fp16
             self.net.scaler.load_state_dict(payload["scaler"])
-        checkpoint.restore_rng(payload["rng"])
+        checkpoint.restore_rng(payload["rng"][s.dist.rank])
         self.meter.sums.copy_(payload["meter"])
         self.metrics.restore(payload["metrics"])
         for row in payload["metrics"]:
@@ -174,8 +178,11 @@ class Run:
     def save_periodic(self) -> None:
         """Write a periodic checkpoint; a failure (a full disk) is logged, not fatal."""
         run_dir = self.state.run_dir
+        payload = self.payload()  # every process takes part (it gathers their RNG states)
+        if not self.state.dist.is_main:
+            return
         try:
-            checkpoint.save(self.payload(), checkpoint.periodic_path(run_dir, self.state.step))
+            checkpoint.save(payload, checkpoint.periodic_path(run_dir, self.state.step))
         except OSError as err:
             log.error("checkpoint at step %d failed (%s); the previous one is intact", self.state.step, err)
             self.summary.setdefault("checkpoint_errors", []).append(f"step {self.state.step}: {err}")
@@ -198,18 +205,24 @@ class Run:
 def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks: list[Callback]) -> None:
     """Train one run, writing metrics.csv and checkpoints; fill ``summary`` as it goes."""
     seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
-    device = resolve_device(cfg.trainer.device)
+    d = distributed.from_environment()
+    device = resolve_device(cfg.trainer.device, d.local_rank if d.enabled else None)
+    distributed.init_process_group(d, device)
+    batch_size = distributed.split_batch(cfg.trainer.batch_size, d)
     bundle = build_data(cfg.data)
-    loaders = build_loaders(bundle, cfg.data, cfg.trainer.batch_size, cfg.trainer.seed, device.type == "cuda", device)
+    loaders = build_loaders(bundle, cfg.data, batch_size, cfg.trainer.seed, device.type == "cuda", device,
+                            rank=d.rank, world_size=d.world_size)
     model = build_model(cfg.model, cfg.norm, cfg.act.name, bundle.spec).to(device)
-    net = Accelerated.from_config(model, device, cfg.trainer)
+    if d.enabled:  # same initial weights everywhere, then each process its own random stream
+        seed_everything(cfg.trainer.seed + d.rank, cfg.trainer.deterministic)
+    net = Accelerated.from_config(model, device, cfg.trainer, distributed=d.enabled)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_schedule(optimizer, cfg.schedule, loaders.steps_per_epoch)
     state = TrainState(cfg, run_dir, device, model, optimizer, scheduler, loaders.steps_per_epoch,
-                       total_steps(cfg.trainer, loaders.steps_per_epoch))
+                       total_steps(cfg.trainer, loaders.steps_per_epoch), dist=d)
     run = Run(state, callbacks_for(cfg) + extra_callbacks, summary, net)
     summary.update(params=count_parameters(model), device=str(device), steps_per_epoch=state.steps_per_epoch,
-                   loader=loaders.kind)
+                   loader=loaders.kind, world_size=d.world_size)
     for cb in run.callbacks:
         cb.on_train_start(state)
     run.resume(str(cfg.trainer.resume))
@@ -237,6 +250,7 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
                 cb.after_backward(state)
             net.step(optimizer)
             scheduler.step()
+            distributed.average_buffers(model)
             state.step += 1
             run.meter.add(loss.detach(), logits.detach(), y)
             for cb in run.callbacks:
@@ -255,7 +269,7 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
                              state.epoch, train_loss, train_acc, lr)
             if state.step % eval_every == 0 or last:
                 run.evaluate(loaders.test, bundle.spec.num_classes, lr)
-            if guard.signum is not None:
+            if guard.agreed():
                 run.save_periodic()
                 summary.update(status="preempted", steps=state.step, epochs=round(state.epoch, 4))
                 guard.forward()
@@ -267,16 +281,20 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
         run.evaluate(loaders.test, bundle.spec.num_classes, lr)
     summary.update(status=status, steps=state.step, epochs=round(state.epoch, 4))
     if status == "completed":
-        checkpoint.save(run.payload(), run_dir / "checkpoint.pt")
-        checkpoint.prune(run_dir, 0)
+        payload = run.payload()
+        if d.is_main:
+            checkpoint.save(payload, run_dir / "checkpoint.pt")
+            checkpoint.prune(run_dir, 0)
     for cb in run.callbacks:
         cb.on_train_end(state, status)
 
 
 def train(cfg: DictConfig, run_dir: Path, callbacks: list[Callback] | None = None) -> dict[str, Any]:
     """Run one job in ``run_dir`` and return its summary; exceptions are recorded, then re-raised."""
+    main_process = distributed.from_environment().is_main  # only rank 0 writes files
     run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    if main_process:
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     started = time.perf_counter()
     summary: dict[str, Any] = {"status": "failed", **version_stamp(),
                                "config": OmegaConf.to_container(cfg, resolve=True)}
@@ -290,5 +308,6 @@ def train(cfg: DictConfig, run_dir: Path, callbacks: list[Callback] | None = Non
         raise
     finally:
         summary["wall_seconds"] = round(time.perf_counter() - started, 3)
-        write_json(run_dir / "summary.json", summary)
+        if main_process:
+            write_json(run_dir / "summary.json", summary)
     return summary

@@ -48,7 +48,7 @@ def write_mnist(root: Path, n_train: int = 12, n_test: int = 6) -> dict[str, np.
 
 
 def mnist_cfg(root: Path, **extra) -> dict:
-    return {"name": "mnist", "root": str(root), "download": False, "augment": False, **extra}
+    return {"name": "mnist", "root": str(root), "download": False, "verify": False, "augment": False, **extra}
 
 
 def test_mnist_reads_idx_files(tmp_path: Path) -> None:

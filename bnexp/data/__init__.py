@@ -19,12 +19,14 @@ from bnexp.registry import Registry
 
 @dataclass
 class DataBundle:
-    """A data set ready for training: its splits, its shape, and the raw arrays if any."""
+    """A data set ready for training: its splits, its shape, the raw arrays if any, and the
+    images left out as unreadable (``data.check_images`` with ``data.bad_images=skip``)."""
 
     train: Dataset
     test: Dataset
     spec: DataSpec
     arrays: Optional[ArrayData] = None
+    skipped_images: tuple[str, ...] = ()
 
 
 def _from_arrays(load: Callable[[Mapping[str, Any]], ArrayData]) -> Callable[[Mapping[str, Any]], DataBundle]:
@@ -48,7 +50,8 @@ DATASETS.register("npz")(_from_arrays(load_npz))
 def _imagenet(cfg: Mapping[str, Any]) -> DataBundle:
     """Image folders read lazily (no arrays); classes = class folders, 3 channels."""
     train, test = load_imagenet(cfg)
-    return DataBundle(train, test, DataSpec(len(train.classes), 3, int(cfg.get("image_size", 224))))
+    spec = DataSpec(len(train.classes), 3, int(cfg.get("image_size", 224)))
+    return DataBundle(train, test, spec, skipped_images=(*train.left_out, *test.left_out))
 
 
 def build_data(cfg: Mapping[str, Any]) -> DataBundle:

@@ -1,4 +1,11 @@
-"""CIFAR-10/100 through torchvision, with explicit offline and corrupt-file errors."""
+"""CIFAR-10/100: downloaded through torchvision, read and checked here, file by file.
+
+Each batch file is a pickled dict whose ``data`` is ``N x 3072`` uint8 (3 x 32 x 32 bytes
+per image) and whose ``labels`` (CIFAR-100: ``fine_labels``) holds one label per image.
+With ``data.verify`` (the default) every file's md5 is compared with the official release
+first; a file that cannot be unpickled, holds images of the wrong size, or labels that do
+not match its images stops with a DataError naming it.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +13,22 @@ import pickle
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 from torchvision.datasets import CIFAR10, CIFAR100
 
 from bnexp.data.arrays import ArrayData
-from bnexp.data.files import DataFiles, ensure_present, read_or_fail, verify_checksums
+from bnexp.data.files import DataFile, DataFiles, check_labels, ensure_present, read_file, verify_release
+from bnexp.errors import DataError
 
-
-def _verified(cls: type[CIFAR10]) -> type[CIFAR10]:
-    """A torchvision CIFAR class whose own md5 checks are replaced by ours (done first, and
-    skippable with data.verify=false); bnexp needs no class names, so the meta file is not read."""
-    return type(f"Checked{cls.__name__}", (cls,), {"_check_integrity": lambda self: True, "_load_meta": lambda self: None})
+IMAGE_SHAPE = (3, 32, 32)
+IMAGE_BYTES = 3 * 32 * 32
 
 
 def _files(cls: type[CIFAR10], root: Path, label: str) -> DataFiles:
     folder = root / cls.base_folder
-    files = [(folder / name, md5) for name, md5 in cls.train_list + cls.test_list]
-    files.append((folder / cls.meta["filename"], cls.meta["md5"]))
+    files = [DataFile(folder / name, md5) for name, md5 in cls.train_list + cls.test_list]
+    files.append(DataFile(folder / cls.meta["filename"], cls.meta["md5"]))
     holds = f"{cls.base_folder}/ (or its {cls.filename} archive)"
     return DataFiles(label, folder, holds, tuple(files))
 
@@ -32,23 +38,46 @@ def _unpickle(path: Path) -> object:
         return pickle.load(f, encoding="latin1")
 
 
-def _split(cls: type[CIFAR10], root: Path, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    ds = _verified(cls)(str(root), train=train, download=False)
-    images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
-    return images, torch.as_tensor(ds.targets, dtype=torch.int64)
+def _read_batch(path: Path, labels_key: str, num_classes: int, label: str) -> tuple[np.ndarray, np.ndarray]:
+    """One batch file's images (N x 3 x 32 x 32 uint8) and labels, checked against each other."""
+    entry = read_file(path, _unpickle)
+    if not isinstance(entry, dict) or "data" not in entry or labels_key not in entry:
+        raise DataError(f"corrupt data file {path}: expected a pickled dict with 'data' and {labels_key!r}")
+    images, labels = np.asarray(entry["data"]), np.asarray(entry[labels_key])
+    if images.dtype != np.uint8 or images.ndim != 2 or images.shape[1] != IMAGE_BYTES:
+        raise DataError(
+            f"corrupt data file {path}: 'data' is {images.dtype} of shape {images.shape}; "
+            f"expected uint8 N x {IMAGE_BYTES} ({IMAGE_BYTES} bytes per 3 x 32 x 32 image)"
+        )
+    if labels.dtype.kind not in "iu" or labels.shape != (len(images),):
+        raise DataError(
+            f"corrupt data file {path}: {labels_key!r} holds {labels.size} {labels.dtype} values for "
+            f"{len(images)} images; expected one integer label per image"
+        )
+    check_labels(torch.from_numpy(labels), str(path), num_classes, f"{label} has {num_classes} classes")
+    return images.reshape(-1, *IMAGE_SHAPE), labels
+
+
+def _split(files: DataFiles, names: list[str], labels_key: str, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images and labels of the batch files ``names``, concatenated."""
+    batches = [_read_batch(files.folder / name, labels_key, num_classes, files.label) for name in names]
+    images = np.concatenate([images for images, _ in batches])
+    labels = np.concatenate([labels for _, labels in batches])
+    return torch.from_numpy(images), torch.from_numpy(labels.astype(np.int64))
 
 
 def load_cifar(cfg: Mapping[str, Any]) -> ArrayData:
     """CIFAR-10 or CIFAR-100 from ``data.root`` (downloaded there when allowed)."""
-    cls, label = (CIFAR10, "CIFAR-10") if cfg["name"] == "cifar10" else (CIFAR100, "CIFAR-100")
+    cifar10 = cfg["name"] == "cifar10"
+    cls, label = (CIFAR10, "CIFAR-10") if cifar10 else (CIFAR100, "CIFAR-100")
+    labels_key, num_classes = ("labels", 10) if cifar10 else ("fine_labels", 100)
     root = Path(str(cfg["root"])).expanduser()
     files = _files(cls, root, label)
     # A release archive already in data.root is extracted even with downloading off.
     allowed = bool(cfg.get("download", True)) or (root / cls.filename).is_file()
     ensure_present(files, lambda: cls(str(root), train=True, download=True), allowed)
     if cfg.get("verify", True):
-        verify_checksums(files)
-    (x_train, y_train), (x_test, y_test) = read_or_fail(
-        files, lambda: (_split(cls, root, train=True), _split(cls, root, train=False)), _unpickle
-    )
-    return ArrayData(cfg["name"], x_train, y_train, x_test, y_test, 10 if cls is CIFAR10 else 100)
+        verify_release(files)
+    x_train, y_train = _split(files, [name for name, _ in cls.train_list], labels_key, num_classes)
+    x_test, y_test = _split(files, [name for name, _ in cls.test_list], labels_key, num_classes)
+    return ArrayData(cfg["name"], x_train, y_train, x_test, y_test, num_classes)

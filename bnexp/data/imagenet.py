@@ -17,14 +17,26 @@ resize(resize_size) (shorter side) + center crop(image_size), the CBN ImageNet p
 ``popnorm`` resizes every image to resize_size x resize_size, then trains on a random
 crop(image_size) + flip and evaluates on the center crop(image_size) (POP-Norm's
 "resize 256x256, random crop 224"). Both normalize with the ImageNet mean and std.
+
+``data.bad_images`` says what an image PIL cannot read does: ``fail`` (default) stops the
+run with a DataError naming the file; ``skip`` logs a warning naming it and serves the next
+readable image of the split in its place. ``data.check_images=true`` opens every image's
+header once before training (threads: ``data.num_workers``), so that ``fail`` lists the
+unreadable ones up front and ``skip`` leaves them out of the split and counts them
+(:attr:`CheckedImages.left_out`); images that pass the header check but fail to decode
+later are still handled per sample.
 """
 
 from __future__ import annotations
 
+import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping, Optional
 
 import torch
+from PIL import Image
+from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder, ImageNet
 from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.datasets.imagenet import ARCHIVE_META
@@ -38,6 +50,81 @@ FORMATS = ("auto", "folder", "archive")
 AUGS = ("cbn", "popnorm")
 SPLITS = ("train", "val")
 ARCHIVES = tuple(name for name, _ in ARCHIVE_META.values())
+BAD_IMAGES = ("fail", "skip")
+LISTED = 5  # unreadable images named in one message
+
+log = logging.getLogger(__name__)
+
+
+class CheckedImages(Dataset):
+    """One split of an ImageFolder, minus the images ``left_out``, applying
+    ``data.bad_images`` to any image that fails to load: ``fail`` raises a DataError naming
+    it; ``skip`` warns and serves the next readable image in index order (so the substitute
+    is the same in every run)."""
+
+    def __init__(self, images: ImageFolder, skip: bool, left_out: Collection[str] = ()) -> None:
+        self.images, self.skip = images, skip
+        self.classes = images.classes
+        self.left_out = sorted(left_out)
+        self.samples = [sample for sample in images.samples if sample[0] not in left_out]
+        self.unreadable: set[int] = set()  # indices this process failed to load (skip)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        for step in range(len(self)):
+            i = (index + step) % len(self)
+            if i in self.unreadable:
+                continue
+            path, target = self.samples[i]
+            try:
+                image = self.images.loader(path)
+            except Exception as err:
+                why = f"unreadable image {path}: {type(err).__name__}: {err}"
+                if not self.skip:
+                    hint = "Replace or delete it, or set data.bad_images=skip to go on without it"
+                    raise DataError(f"{why}. {hint}") from err
+                self.unreadable.add(i)
+                log.warning("%s; serving the next readable image instead (data.bad_images=skip)", why)
+                continue
+            return self.images.transform(image), target
+        raise DataError(f"no image under {self.images.root} is readable (data.bad_images=skip)")
+
+
+def _header_problem(path: str) -> Optional[str]:
+    """Why PIL cannot open the image at ``path`` (its header, not its pixels), or None."""
+    try:
+        with Image.open(path) as image:
+            image.verify()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def unreadable_images(images: ImageFolder, threads: int) -> dict[str, str]:
+    """Each image of ``images`` whose header PIL cannot open, with the reason."""
+    paths = [path for path, _ in images.samples]
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        problems = pool.map(_header_problem, paths)
+    return {path: why for path, why in zip(paths, problems) if why is not None}
+
+
+def _listed(bad: Mapping[str, str]) -> str:
+    named = "; ".join(f"{path} ({why})" for path, why in list(bad.items())[:LISTED])
+    return named + (f"; and {len(bad) - LISTED} more" if len(bad) > LISTED else "")
+
+
+def _checked(images: ImageFolder, skip: bool, cfg: Mapping[str, Any]) -> CheckedImages:
+    """``images`` wrapped per ``data.bad_images``, scanned first with ``data.check_images``."""
+    bad = unreadable_images(images, int(cfg.get("num_workers", 0))) if cfg.get("check_images", False) else {}
+    where = f"{len(bad)} of {len(images.samples)} images under {images.root}"
+    if bad and not skip:
+        raise DataError(f"{where} are unreadable: {_listed(bad)}. Replace or delete them, "
+                        "or set data.bad_images=skip to leave them out")
+    if bad:
+        log.warning("left out %s as unreadable (data.bad_images=skip): %s", where, _listed(bad))
+    return CheckedImages(images, skip, bad)
 
 
 def imagenet_transform(cfg: Mapping[str, Any], train: bool) -> v2.Transform:
@@ -119,9 +206,12 @@ def _archive_splits(root: Path, cfg: Mapping[str, Any]) -> tuple[ImageNet, Image
         raise DataError(f"cannot use the ImageNet archives in {root} (data.format=archive): {err}") from err
 
 
-def load_imagenet(cfg: Mapping[str, Any]) -> tuple[ImageFolder, ImageFolder]:
+def load_imagenet(cfg: Mapping[str, Any]) -> tuple[CheckedImages, CheckedImages]:
     """The train and val splits (with their transforms) from ``data.root``."""
+    mode = cfg.get("bad_images", "fail")
+    if mode not in BAD_IMAGES:
+        raise unknown_choice("data.bad_images", mode, BAD_IMAGES)
     root = Path(str(cfg["root"])).expanduser()
-    if detect_format(root, cfg.get("format", "auto")) == "folder":
-        return _folder_splits(root, cfg)
-    return _archive_splits(root, cfg)
+    folder = detect_format(root, cfg.get("format", "auto")) == "folder"
+    train, val = _folder_splits(root, cfg) if folder else _archive_splits(root, cfg)
+    return _checked(train, mode == "skip", cfg), _checked(val, mode == "skip", cfg)

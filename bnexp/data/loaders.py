@@ -8,16 +8,18 @@ would have drawn: the trainer sets the epoch and the number of samples already c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sized
+from typing import Any, Iterable, Iterator, Mapping, Sized
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, Subset
 
 from bnexp.data import DataBundle
-from bnexp.errors import unknown_choice
+from bnexp.data.device import device_batches
+from bnexp.errors import ConfigError, unknown_choice
 
 SAMPLINGS = ("with_replacement", "shuffle")
+LOADERS = ("auto", "device", "torch")
 
 
 class EpochSampler(Sampler[int]):
@@ -64,12 +66,16 @@ class EpochSampler(Sampler[int]):
 
 @dataclass
 class Loaders:
-    """The training loader (driven by an :class:`EpochSampler`) and the test loader."""
+    """The training batches (driven by an :class:`EpochSampler`) and the test batches.
 
-    train: DataLoader
-    test: DataLoader
+    ``kind`` is ``torch`` (DataLoaders) or ``device`` (:mod:`bnexp.data.device`).
+    """
+
+    train: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    test: Iterable[tuple[torch.Tensor, torch.Tensor]]
     sampler: EpochSampler
     batch_size: int
+    kind: str = "torch"
 
     @property
     def steps_per_epoch(self) -> int:
@@ -85,18 +91,43 @@ class Loaders:
             epoch, offset = epoch + 1, 0
 
 
-def build_loaders(bundle: DataBundle, cfg: Mapping[str, Any], batch_size: int, seed: int, pin_memory: bool) -> Loaders:
+def loader_kind(bundle: DataBundle, cfg: Mapping[str, Any], device: torch.device) -> str:
+    """``data.loader``: ``auto`` is ``device`` for in-memory data on a GPU, else ``torch``."""
+    kind = cfg.get("loader", "auto")
+    if kind not in LOADERS:
+        raise unknown_choice("data.loader", kind, LOADERS)
+    if kind == "auto":
+        return "device" if device.type == "cuda" and bundle.arrays is not None else "torch"
+    if kind == "device" and bundle.arrays is None:
+        raise ConfigError(f"data.loader=device needs an in-memory data set; data.name={cfg['name']} is read "
+                          "from files: use data.loader=torch (or auto)")
+    return kind
+
+
+def build_loaders(bundle: DataBundle, cfg: Mapping[str, Any], batch_size: int, seed: int, pin_memory: bool,
+                  device: torch.device = torch.device("cpu"), rank: int = 0, world_size: int = 1) -> Loaders:
     """Training batches drawn with replacement or shuffled (``data.sampling``); test in order.
 
+    ``batch_size`` is per process. Under torchrun each process draws its own share of every
+    epoch (:class:`EpochSampler`) and evaluates every ``world_size``-th test image (the
+    on-device path evaluates the whole test set on each process; the trainer's sums are
+    ratios, so both give the same numbers).
+
+    ``data.loader`` picks the DataLoader path or the on-device one (:func:`loader_kind`).
     The DataLoader gets its own generator (for worker seeds) so creating an iterator never
     draws from the global RNG, which the training step's own randomness uses.
     ``pin_memory`` is the caller's default; a non-null ``data.pin_memory`` overrides it.
     """
-    sampler = EpochSampler(bundle.train, cfg.get("sampling", "with_replacement"), seed)
+    sampler = EpochSampler(bundle.train, cfg.get("sampling", "with_replacement"), seed, rank, world_size)
+    if loader_kind(bundle, cfg, device) == "device":
+        assert bundle.arrays is not None  # checked by loader_kind
+        train, test = device_batches(bundle.arrays, cfg, sampler, batch_size, device)
+        return Loaders(train, test, sampler, batch_size, "device")
     workers = int(cfg.get("num_workers", 0))
     pin = pin_memory if cfg.get("pin_memory") is None else bool(cfg.get("pin_memory"))
     common: dict[str, Any] = dict(num_workers=workers, pin_memory=pin, persistent_workers=workers > 0)
-    train = DataLoader(bundle.train, batch_size=batch_size, sampler=sampler,
-                       generator=torch.Generator().manual_seed(seed), **common)
-    test = DataLoader(bundle.test, batch_size=int(cfg.get("eval_batch_size", 500)), shuffle=False, **common)
-    return Loaders(train, test, sampler, batch_size)
+    train_loader = DataLoader(bundle.train, batch_size=batch_size, sampler=sampler,
+                              generator=torch.Generator().manual_seed(seed), **common)
+    test = bundle.test if world_size == 1 else Subset(bundle.test, range(rank, len(bundle.test), world_size))
+    test_loader = DataLoader(test, batch_size=int(cfg.get("eval_batch_size", 500)), shuffle=False, **common)
+    return Loaders(train_loader, test_loader, sampler, batch_size)

@@ -1,50 +1,77 @@
-"""MNIST through torchvision (uint8 N x 1 x 28 x 28), with the same errors as CIFAR.
+"""MNIST (uint8 N x 1 x 28 x 28): downloaded through torchvision, read and checked here.
 
-torchvision reads the four extracted idx-ubyte files from ``<data.root>/MNIST/raw/``
-(downloading the ``.gz`` archives there when allowed). It publishes md5 sums only for the
-archives, so the extracted files are checked when read: a truncated file, or image and
-label files of different lengths, stop with a DataError naming the file.
+torchvision fetches the ``.gz`` archives into ``<data.root>/MNIST/raw/`` (when allowed) and
+extracts the four idx-ubyte files; it publishes md5 sums for the archives only. An idx
+file is a header (the magic ``00 00 08 <ndim>``, then ``ndim`` big-endian uint32 sizes)
+followed by the uint8 values, so its byte size follows from its header: a file whose size
+disagrees with its own header, image and label files of different lengths, or labels
+outside 0..9 stop with a DataError naming the file. With ``data.verify`` (the default)
+each file must also have the official release's size.
 """
 
 from __future__ import annotations
 
+import math
+import struct
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 from torchvision.datasets import MNIST
-from torchvision.datasets.mnist import read_image_file, read_label_file
 
 from bnexp.data.arrays import ArrayData
-from bnexp.data.files import DataFiles, ensure_present, read_or_fail
+from bnexp.data.files import DataFile, DataFiles, check_labels, ensure_present, read_file, verify_release
 from bnexp.errors import DataError
 
-# the extracted names of torchvision's resources: train-images-idx3-ubyte, ...
-RAW_FILES = tuple(Path(url).stem for url, _ in MNIST.resources)
+# The extracted files of torchvision's resources, with their official sizes: a 16-byte
+# header + 60000 (train) or 10000 (t10k) images of 28 x 28, an 8-byte header + as many labels.
+OFFICIAL_SIZES = {
+    "train-images-idx3-ubyte": 16 + 60000 * 28 * 28,
+    "train-labels-idx1-ubyte": 8 + 60000,
+    "t10k-images-idx3-ubyte": 16 + 10000 * 28 * 28,
+    "t10k-labels-idx1-ubyte": 8 + 10000,
+}
+NUM_CLASSES = 10
 
 
 def _files(root: Path) -> DataFiles:
     folder = root / "MNIST" / "raw"
-    holds = "MNIST/raw/ with " + ", ".join(RAW_FILES)
-    return DataFiles("MNIST", folder, holds, tuple((folder / name, None) for name in RAW_FILES))
+    names = [Path(url).stem for url, _ in MNIST.resources]
+    holds = "MNIST/raw/ with " + ", ".join(names)
+    return DataFiles("MNIST", folder, holds, tuple(DataFile(folder / n, size=OFFICIAL_SIZES[n]) for n in names))
 
 
-def _read_one(path: Path) -> torch.Tensor:
-    return read_label_file(str(path)) if "labels" in path.name else read_image_file(str(path))
-
-
-def _split(root: Path, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    ds = MNIST(str(root), train=train, download=False)
-    return ds.data.unsqueeze(1).contiguous(), ds.targets.to(torch.int64)
-
-
-def _check_lengths(folder: Path, train: bool, images: torch.Tensor, labels: torch.Tensor) -> None:
-    if len(images) != len(labels):
-        prefix = "train" if train else "t10k"
+def read_idx(path: Path, ndim: int) -> torch.Tensor:
+    """The uint8 array in an idx-ubyte file of ``ndim`` dimensions, if its size matches its header."""
+    raw = read_file(path, Path.read_bytes)
+    header = 4 + 4 * ndim
+    if len(raw) < header or raw[:4] != bytes((0, 0, 8, ndim)):
         raise DataError(
-            f"{folder / f'{prefix}-images-idx3-ubyte'} holds {len(images)} images but "
-            f"{folder / f'{prefix}-labels-idx1-ubyte'} holds {len(labels)} labels; expected the same number"
+            f"corrupt data file {path}: it does not start with an idx header of uint8 data in {ndim} "
+            f"dimension(s) (the bytes 00 00 08 {ndim:02x} and {ndim} sizes); it starts with {raw[:header].hex(' ')}"
         )
+    shape = struct.unpack(f">{ndim}I", raw[4:header])
+    expected = header + math.prod(shape)
+    if len(raw) != expected:
+        raise DataError(
+            f"truncated or corrupt data file {path}: it is {len(raw)} bytes but its header "
+            f"(uint8 {' x '.join(map(str, shape))}) says {expected}"
+        )
+    return torch.from_numpy(np.frombuffer(raw, np.uint8, offset=header).reshape(shape).copy())
+
+
+def _split(folder: Path, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images (N x 1 x 28 x 28) and int64 labels of ``train`` or ``t10k``."""
+    images_path, labels_path = folder / f"{prefix}-images-idx3-ubyte", folder / f"{prefix}-labels-idx1-ubyte"
+    images, labels = read_idx(images_path, 3), read_idx(labels_path, 1)
+    if len(images) != len(labels):
+        raise DataError(
+            f"{images_path} holds {len(images)} images but {labels_path} holds {len(labels)} labels; "
+            "expected the same number"
+        )
+    check_labels(labels, str(labels_path), NUM_CLASSES, f"MNIST has {NUM_CLASSES} classes")
+    return images.unsqueeze(1), labels.to(torch.int64)
 
 
 def load_mnist(cfg: Mapping[str, Any]) -> ArrayData:
@@ -52,9 +79,8 @@ def load_mnist(cfg: Mapping[str, Any]) -> ArrayData:
     root = Path(str(cfg["root"])).expanduser()
     files = _files(root)
     ensure_present(files, lambda: MNIST(str(root), train=True, download=True), bool(cfg.get("download", True)))
-    (x_train, y_train), (x_test, y_test) = read_or_fail(
-        files, lambda: (_split(root, train=True), _split(root, train=False)), _read_one
-    )
-    _check_lengths(files.folder, True, x_train, y_train)
-    _check_lengths(files.folder, False, x_test, y_test)
-    return ArrayData("mnist", x_train, y_train, x_test, y_test, 10)
+    if cfg.get("verify", True):
+        verify_release(files)
+    x_train, y_train = _split(files.folder, "train")
+    x_test, y_test = _split(files.folder, "t10k")
+    return ArrayData("mnist", x_train, y_train, x_test, y_test, NUM_CLASSES)

@@ -4,18 +4,20 @@ The file holds ``x_train``, ``y_train``, ``x_test``, ``y_test``. Images are uint
 ``N x H x W`` (one channel) or four-dimensional with the channel axis of size 1 or 3
 second (NCHW) or last (NHWC); they must be square. Labels are integers ``0..K-1``;
 ``K`` (the number of classes) is the largest label plus one unless ``data.num_classes``
-is set. Anything else stops with a DataError naming the key and what was expected.
+is set. Anything else (a NaN or infinity in a float array is reported before its dtype)
+stops with a DataError naming the file, the key and what was expected.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
 
 from bnexp.data.arrays import ArrayData
+from bnexp.data.files import check_labels
 from bnexp.errors import ConfigError, DataError
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
@@ -28,11 +30,20 @@ def _array(arrays: Mapping[str, np.ndarray], key: str, path: Path) -> np.ndarray
     return arrays[key]
 
 
+def _finite(a: np.ndarray, where: str, expected: str) -> None:
+    """Stop on NaN or infinity (only a float array holds them), said before its dtype is."""
+    if np.issubdtype(a.dtype, np.inexact) and not np.isfinite(a).all():
+        kind = "NaN" if np.isnan(a).any() else "infinity"
+        raise DataError(f"{where} contains {kind}; expected {expected}")
+
+
 def _images(x: np.ndarray, key: str, path: Path) -> torch.Tensor:
     """uint8 NCHW images from an N x H x W, NCHW or NHWC array."""
     where = f"{path}: {key}"
+    expected = "uint8 images (0..255)"
+    _finite(x, where, expected)
     if x.dtype != np.uint8:
-        raise DataError(f"{where} has dtype {x.dtype}; expected uint8 images (0..255)")
+        raise DataError(f"{where} has dtype {x.dtype}; expected {expected}")
     if x.ndim == 3:
         x = x[:, None]
     elif x.ndim != 4:
@@ -48,25 +59,18 @@ def _images(x: np.ndarray, key: str, path: Path) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
-def _labels(y: np.ndarray, key: str, path: Path, count: int, images_key: str) -> torch.Tensor:
+def _labels(y: np.ndarray, key: str, path: Path, count: int, images_key: str,
+            num_classes: Optional[int]) -> torch.Tensor:
+    """int64 labels, one per image of ``images_key``, below ``num_classes`` when that is given."""
     where = f"{path}: {key}"
+    _finite(y, where, "integer class labels")
     if not np.issubdtype(y.dtype, np.integer):
         raise DataError(f"{where} has dtype {y.dtype}; expected integer class labels")
     if y.ndim != 1 or len(y) != count:
         raise DataError(f"{where} has shape {y.shape}; expected ({count},), one label per image of {images_key}")
-    if len(y) and y.min() < 0:
-        raise DataError(f"{where} holds the label {y.min()}; expected labels 0..K-1")
-    return torch.from_numpy(y.astype(np.int64))
-
-
-def _num_classes(cfg: Mapping[str, Any], path: Path, y_train: torch.Tensor, y_test: torch.Tensor) -> int:
-    largest = int(torch.cat([y_train, y_test]).max())
-    given = cfg.get("num_classes")
-    if given is None:
-        return largest + 1
-    if largest >= int(given):
-        raise DataError(f"{path} holds the label {largest} but data.num_classes={given}; expected labels below it")
-    return int(given)
+    labels = torch.from_numpy(y.astype(np.int64))
+    check_labels(labels, where, num_classes, f"data.num_classes={num_classes}")
+    return labels
 
 
 def load_npz(cfg: Mapping[str, Any]) -> ArrayData:
@@ -88,6 +92,8 @@ def load_npz(cfg: Mapping[str, Any]) -> ArrayData:
             f"{path}: x_test images are {tuple(x_test.shape[1:])} (C, H, W) but x_train images are "
             f"{tuple(x_train.shape[1:])}; expected the same shape"
         )
-    y_train = _labels(_array(arrays, "y_train", path), "y_train", path, len(x_train), "x_train")
-    y_test = _labels(_array(arrays, "y_test", path), "y_test", path, len(x_test), "x_test")
-    return ArrayData("npz", x_train, y_train, x_test, y_test, _num_classes(cfg, path, y_train, y_test))
+    given = None if cfg.get("num_classes") is None else int(cfg["num_classes"])
+    y_train = _labels(_array(arrays, "y_train", path), "y_train", path, len(x_train), "x_train", given)
+    y_test = _labels(_array(arrays, "y_test", path), "y_test", path, len(x_test), "x_test", given)
+    num_classes = given if given is not None else int(torch.cat([y_train, y_test]).max()) + 1
+    return ArrayData("npz", x_train, y_train, x_test, y_test, num_classes)

@@ -41,6 +41,7 @@ class ChannelNorm(nn.Module):
     """
 
     input_dims: tuple[int, ...] = ()
+    sync = False  # combine batch statistics over processes (set by bnexp.distributed.enable_sync)
 
     def __init__(self, num_features: int, eps: float) -> None:
         super().__init__()
@@ -64,8 +65,14 @@ class ChannelNorm(nn.Module):
     def batch_var_mean(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Biased per-channel variance and mean in one pass, in the parameters' dtype.
 
-        A half-precision input (autocast) is reduced in the parameters' precision.
+        A half-precision input (autocast) is reduced in the parameters' precision. With
+        ``sync`` set (``norm.sync=true`` under DDP) the statistics are those of the batch of
+        all processes together.
         """
         wide = x.to(torch.promote_types(x.dtype, self.weight.dtype))
         var, mean = torch.var_mean(wide, channel_dims(x), correction=0)
+        if self.sync:
+            from bnexp.distributed import synced_var_mean
+
+            var, mean = synced_var_mean(var, mean, x.numel() // self.num_features)
         return var.to(self.weight.dtype), mean.to(self.weight.dtype)

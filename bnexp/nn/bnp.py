@@ -141,7 +141,9 @@ class BNP:
 
     Statistics update on training-mode forwards only. ``reduce_fn`` receives each layer's
     batch ``(mean, var)`` before the running update and returns what to use (identity by
-    default; a DDP wrapper all-reduces here). Create BNP after moving the model to its device.
+    default; a DDP wrapper all-reduces here); ``processes`` is then the number of processes
+    whose batches form the global batch, so that ``q2`` uses the global batch size.
+    Create BNP after moving the model to its device.
     """
 
     def __init__(
@@ -151,11 +153,13 @@ class BNP:
         eps1: float = 1e-2,
         eps2: float = 1e-4,
         reduce_fn: Optional[StatsReducer] = None,
+        processes: int = 1,
     ) -> None:
         check_fraction("rho", rho)
         if eps1 < 0 or eps2 < 0:
             raise ValueError(f"eps1 and eps2 must be non-negative, got {eps1}, {eps2}")
         self.reduce_fn = reduce_fn
+        self.processes = processes
         self._pairs: list[tuple[nn.Module, BNPLayer]] = []
         self._handles: list[RemovableHandle] = []
         for name, module in model.named_modules():
@@ -172,6 +176,7 @@ class BNP:
         mean, var = state.batch_stats(args[0])
         if self.reduce_fn is not None:
             mean, var = self.reduce_fn(mean, var)
+            state.batch_size *= self.processes
         state.update(mean, var)
 
     def layers(self) -> Iterator[BNPLayer]:

@@ -1,0 +1,42 @@
+"""``bnexp bench <norms|step|data|run> [key=value ...]``: speed measurements as tables and JSON.
+
+Each subcommand prints a table and writes ``out=`` (``results/bench/<subcommand>.json``
+by default): a list of records with ``name``, ``mode`` (eager | compiled), ``device``,
+``seconds_median``, ``seconds_iqr``, ``reps``, ``baseline`` and ``ratio`` (seconds over
+the baseline's; below 1 is faster), plus ``env`` (date, machine, versions). Options:
+``reps``, ``number`` (calls per timed block), ``warmup`` (untimed calls first), ``device``
+(auto | cpu | cuda) and each subcommand's sizes; see docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+from bnexp.bench.common import device_of, finish, parse
+from bnexp.errors import BnexpError, ConfigError, unknown_choice
+
+SUBCOMMANDS = ("norms", "step", "data", "run")
+ACCEPTS_OVERRIDES = ("step", "data", "run")  # subcommands whose other key=value args are Hydra overrides
+
+
+def subcommand(name: str) -> ModuleType:
+    """The module implementing ``bnexp bench <name>`` (imported on demand)."""
+    if name not in SUBCOMMANDS:
+        raise unknown_choice("bench subcommand", name, SUBCOMMANDS)
+    return importlib.import_module(f"bnexp.bench.{name}")
+
+
+def command(args: list[str]) -> None:
+    """``bnexp bench <subcommand> [key=value ...]``."""
+    try:
+        if not args or "=" in args[0]:
+            raise ConfigError(f"usage: bnexp bench <{'|'.join(SUBCOMMANDS)}> [key=value ...]")
+        module = subcommand(args[0])
+        options, overrides = parse(args[1:], module.DEFAULTS, args[0] in ACCEPTS_OVERRIDES)
+        records = module.bench(options, overrides)
+        finish(records, options["out"], module.COLUMNS, device_of(options))
+    except BnexpError as err:
+        print(f"bnexp: error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)

@@ -1,0 +1,55 @@
+"""``bnexp bench data``: training images per second of the device pipeline and the DataLoader.
+
+Both loaders draw the same training stream (``Loaders.epochs_from``) of an in-memory data
+set, by default CIFAR-shaped synthetic images with augmentation on; a DataLoader batch is
+also copied to the device, as the trainer does. Hydra overrides choose another data set
+(``data=cifar10``) or DataLoader settings (``data.num_workers=4``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from omegaconf import OmegaConf
+
+from bnexp.bench.common import COMMON, Record, compose_train, device_of, measure, record
+from bnexp.data import build_data
+from bnexp.data.loaders import build_loaders
+
+DEFAULTS: dict[str, Any] = {**COMMON, "number": 20, "batch": 128, "train_size": 10_000,
+                            "out": "results/bench/data.json"}
+COLUMNS = ("name", "batch", "images_per_s", "seconds_median", "seconds_iqr", "ratio", "speedup")
+BASELINE = "torch"
+
+
+def next_batch(stream: Any, device: torch.device) -> Callable[[], None]:
+    """Draw one batch from ``stream`` and put it on ``device``."""
+
+    def draw() -> None:
+        x, y = next(stream)
+        x.to(device, non_blocking=True)
+        y.to(device, non_blocking=True)
+
+    return draw
+
+
+def bench(options: Mapping[str, Any], overrides: Sequence[str]) -> list[Record]:
+    device = device_of(options)
+    cfg = compose_train(["data=synthetic", f"data.train_size={options['train_size']}", "data.test_size=1",
+                         "data.augment=true", *overrides])
+    bundle = build_data(cfg.data)
+    cases = {}
+    for kind in ("torch", "device"):
+        data_cfg = OmegaConf.merge(cfg.data, {"loader": kind})
+        loaders = build_loaders(bundle, data_cfg, options["batch"], 0, device.type == "cuda", device)
+        cases[kind] = next_batch(loaders.epochs_from(0), device)
+    times = measure(cases, options["reps"], options["number"], options["warmup"], device)
+    records = []
+    for kind, seconds in times.items():
+        r = record(kind, "eager", device, seconds, BASELINE, times[BASELINE], batch=options["batch"],
+                   data=cfg.data.name, num_workers=cfg.data.get("num_workers", 0))
+        r["images_per_s"] = options["batch"] / r["seconds_median"]
+        r["speedup"] = 1 / r["ratio"]
+        records.append(r)
+    return records

@@ -1,0 +1,93 @@
+"""``bnexp bench norms``: forward + backward of each normalization module against BatchNorm2d.
+
+Each module runs in training mode over the activation shapes of a network (every shape as
+many times as the network has normalizations of it), eager and compiled. The baseline is
+torch.nn.BatchNorm2d, eager, on the same shapes; the inputs and output gradients are shared
+by all cases, so only the modules differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from bnexp.bench.common import COMMON, MODES, Record, device_of, measure, record
+from bnexp.errors import unknown_choice
+from bnexp.nn import BatchRenorm2d, CBN2d, NormFamily2d, POPNorm2d, ScaleInvariantBN2d, set_learning_rate
+
+# (channels, height = width, normalizations of that shape) of each network's norms
+NETS: dict[str, tuple[tuple[int, int, int], ...]] = {
+    "resnet20": ((16, 32, 7), (32, 16, 6), (64, 8, 6)),
+    "resnet50": ((64, 112, 1), (64, 56, 6), (256, 56, 4), (128, 28, 8), (512, 28, 5), (256, 14, 12),
+                 (1024, 14, 7), (512, 7, 6), (2048, 7, 4)),
+}
+BATCH = {"resnet20": 128, "resnet50": 32}  # a CIFAR batch; an ImageNet per-GPU batch
+BASELINE = "bn/eager"
+
+
+def _bn_si(channels: int, device: torch.device) -> nn.Module:
+    """``bn_si`` bound to a 1x1 conv of matching width (only its weight is read)."""
+    return ScaleInvariantBN2d(channels, nn.Conv2d(channels, channels, 1, bias=False, device=device))
+
+
+# module name -> (channels, device) -> training-mode module; "bn" is torch's own
+NORMS: dict[str, Callable[[int, torch.device], nn.Module]] = {
+    "bn": lambda c, d: nn.BatchNorm2d(c, device=d),
+    "family": lambda c, d: NormFamily2d(c).to(d),
+    "popnorm": lambda c, d: POPNorm2d(c).to(d),
+    "cbn": lambda c, d: CBN2d(c).to(d),
+    "brn": lambda c, d: BatchRenorm2d(c).to(d),
+    "bn_si": _bn_si,
+}
+DEFAULTS: dict[str, Any] = {**COMMON, "modes": MODES, "number": 10, "nets": tuple(NETS), "norms": tuple(NORMS),
+                            "batch": 0, "out": "results/bench/norms.json"}
+COLUMNS = ("net", "name", "mode", "seconds_median", "seconds_iqr", "ratio", "ratio_iqr")
+
+Layer = tuple[Tensor, Tensor, int]  # input, output gradient, repeats
+
+
+def layer_inputs(net: str, batch: int, device: torch.device) -> list[Layer]:
+    """One random input (requiring grad) and output gradient per shape of ``net``."""
+    g = torch.Generator(device).manual_seed(0)
+    return [(torch.randn(batch, c, s, s, device=device, generator=g).requires_grad_(),
+             torch.randn(batch, c, s, s, device=device, generator=g), k) for c, s, k in NETS[net]]
+
+
+def norm_case(name: str, mode: str, layers: Sequence[Layer], device: torch.device) -> Callable[[], None]:
+    """Forward + backward through one ``name`` module per shape (its own compiled copy)."""
+    modules = [NORMS[name](x.shape[1], device).train() for x, _, _ in layers]
+    for m in modules:
+        set_learning_rate(m, 0.01)  # AMAT's adaptive eta needs one; a no-op elsewhere
+    calls = [torch.compile(m, dynamic=False) if mode == "compiled" else m for m in modules]
+    params = [[x, *m.parameters()] for m, (x, _, _) in zip(modules, layers)]
+
+    def run() -> None:
+        for call, inputs, (x, grad, repeats) in zip(calls, params, layers):
+            for _ in range(repeats):
+                torch.autograd.grad(call(x), inputs, grad)
+
+    return run
+
+
+def bench(options: Mapping[str, Any], overrides: Sequence[str]) -> list[Record]:
+    device = device_of(options)
+    for name in options["norms"]:
+        if name not in NORMS:
+            raise unknown_choice("norm module", name, NORMS)
+    records = []
+    for net in options["nets"]:
+        if net not in NETS:
+            raise unknown_choice("net", net, NETS)
+        batch = options["batch"] or BATCH[net]
+        layers = layer_inputs(net, batch, device)
+        wanted = [f"{n}/{m}" for n in options["norms"] for m in options["modes"]]
+        cases = {key: norm_case(*key.split("/"), layers, device) for key in dict.fromkeys([BASELINE, *wanted])}
+        times = measure(cases, options["reps"], options["number"], options["warmup"], device)
+        shapes = ",".join(f"{k}x{c}x{s}x{s}" for c, s, k in NETS[net])
+        for key in wanted:
+            norm, mode = key.split("/")
+            records.append(record(norm, mode, device, times[key], BASELINE, times[BASELINE], net=net, batch=batch,
+                                  shapes=shapes))
+    return records

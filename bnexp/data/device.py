@@ -1,0 +1,138 @@
+"""``data.loader=device``: an in-memory data set kept on the training device, batched there.
+
+The uint8 images of both splits are copied to the device once. Every training batch is
+gathered from them by index, augmented there (pad-and-crop plus horizontal flip for the
+whole batch in one gather) and normalized there: no worker processes, no per-sample
+Python, one small index copy per epoch.
+
+Indices come from the run's :class:`~bnexp.data.loaders.EpochSampler`, so the data order
+is the same as with ``data.loader=torch``. The augmentation draws from a generator
+re-seeded for every batch from (seed, epoch, rank, batch), so a resumed run recreates
+the same crops and flips without any saved state. Crops and flips follow torchvision's
+``RandomCrop(size, padding)`` + ``RandomHorizontalFlip()`` distribution and the
+normalization repeats ``ToDtype(float32, scale=True)`` + ``Normalize`` operation for
+operation, so evaluation batches are bit-identical between the two loaders.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bnexp.data.arrays import ArrayData
+
+if TYPE_CHECKING:
+    from bnexp.data.loaders import EpochSampler
+
+Batch = tuple[Tensor, Tensor]
+
+
+def batch_seed(seed: int, epoch: int, rank: int, batch: int) -> int:
+    """The augmentation seed of one training batch: a pure function of its position."""
+    return int(np.random.SeedSequence([seed, epoch, rank, batch]).generate_state(1)[0])
+
+
+def pad_crop_flip(images: Tensor, padding: int, generator: torch.Generator) -> Tensor:
+    """Randomly pad-crop and flip a batch (N, C, H, W) back to its own size.
+
+    Per image: a crop offset uniform in ``0..2*padding`` along each axis of the zero-padded
+    image, and a horizontal flip with probability 1/2. The flip is folded into the column
+    index, so cropping and flipping are one advanced-indexing gather.
+    """
+    n, c, h, w = images.shape
+    device = images.device
+    top = torch.randint(2 * padding + 1, (n, 1), generator=generator, device=device)
+    left = torch.randint(2 * padding + 1, (n, 1), generator=generator, device=device)
+    flip = torch.rand((n, 1), generator=generator, device=device) < 0.5
+    rows = top + torch.arange(h, device=device)
+    cols = torch.arange(w, device=device)
+    cols = left + torch.where(flip, w - 1 - cols, cols)
+    padded = F.pad(images, (padding, padding, padding, padding))
+    return padded[
+        torch.arange(n, device=device)[:, None, None, None],
+        torch.arange(c, device=device)[None, :, None, None],
+        rows[:, None, :, None],
+        cols[:, None, None, :],
+    ]
+
+
+def normalize(images: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """uint8 -> float32 ``(x / 255 - mean) / std`` with torchvision's exact operations."""
+    return images.to(torch.float32).mul_(1.0 / 255).sub_(mean).div_(std)
+
+
+class DeviceSplit:
+    """One split's uint8 images and labels on the device, with the normalization constants."""
+
+    def __init__(self, images: Tensor, labels: Tensor, data: ArrayData, device: torch.device) -> None:
+        self.images = images.to(device)
+        self.labels = labels.to(device)
+        self.mean = torch.as_tensor(data.mean, dtype=torch.float32, device=device).view(-1, 1, 1)
+        self.std = torch.as_tensor(data.std, dtype=torch.float32, device=device).view(-1, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def batch(self, index: Tensor | slice, padding: Optional[int] = None,
+              generator: Optional[torch.Generator] = None) -> Batch:
+        """Normalized images and labels at ``index``, augmented when ``padding`` is given."""
+        images = self.images[index]
+        if padding is not None:
+            images = pad_crop_flip(images, padding, generator)
+        return normalize(images, self.mean, self.std), self.labels[index]
+
+
+class EvalBatches:
+    """A split in order, in batches of ``batch_size``, without augmentation."""
+
+    def __init__(self, split: DeviceSplit, batch_size: int) -> None:
+        self.split = split
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.split) // self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for start in range(0, len(self.split), self.batch_size):
+            yield self.split.batch(slice(start, start + self.batch_size))
+
+
+class TrainBatches:
+    """The sampler's current epoch (from its offset on) in augmented batches.
+
+    Iterating reads the sampler's epoch and offset, like a DataLoader over the same
+    sampler; batch ``k`` of the epoch is augmented from :func:`batch_seed` ``(seed, epoch,
+    rank, k)``. Offsets are whole batches (see ``Loaders.epochs_from``).
+    """
+
+    def __init__(self, split: DeviceSplit, sampler: EpochSampler, batch_size: int, padding: Optional[int]) -> None:
+        self.split = split
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.padding = padding
+        self.generator = torch.Generator(split.images.device)
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        s = self.sampler
+        indices = torch.tensor(list(s), dtype=torch.long).to(self.split.images.device, non_blocking=True)
+        first = s.offset // self.batch_size
+        for k, start in enumerate(range(0, len(indices), self.batch_size)):
+            if self.padding is not None:
+                self.generator.manual_seed(batch_seed(s.seed, s.epoch, s.rank, first + k))
+            yield self.split.batch(indices[start : start + self.batch_size], self.padding, self.generator)
+
+
+def device_batches(data: ArrayData, cfg: Mapping[str, Any], sampler: EpochSampler, batch_size: int,
+                   device: torch.device) -> tuple[TrainBatches, EvalBatches]:
+    """Training and test batches of ``data`` made on ``device``; augmentation as ``data.augment``."""
+    padding = int(cfg.get("padding", 4)) if cfg.get("augment", True) else None
+    train = TrainBatches(DeviceSplit(data.x_train, data.y_train, data, device), sampler, batch_size, padding)
+    test = EvalBatches(DeviceSplit(data.x_test, data.y_test, data, device), int(cfg.get("eval_batch_size", 500)))
+    return train, test

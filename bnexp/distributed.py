@@ -1,0 +1,150 @@
+"""Multi-process training with torch.distributed (one process per GPU, started by torchrun).
+
+What plain DDP does not cover, bnexp does here:
+
+- batch statistics of every BN-family layer are per-process by default; with
+  ``norm.sync=true`` they are combined over all processes (SyncBN semantics, AMAT
+  included) through an autograd-aware all-reduce;
+- running and AMAT buffers are AVERAGED over the processes after every optimizer step,
+  so they are identical on every rank at the end of each step (DDP's own buffer
+  broadcast is switched off);
+- BNP's input statistics are combined over the processes before its running update, and
+  its gradient rewrite runs after DDP's gradient all-reduce (``after_backward``);
+- metrics are summed over the processes before they are logged, and only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import Tensor, nn
+
+from bnexp.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the job (rank 0 of 1 when not distributed)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def from_environment() -> Dist:
+    """The rank, world size and local rank torchrun exported (a single process otherwise).
+
+    A SLURM job started by Hydra's submitit launcher with several tasks (one per GPU) gets
+    the same variables from submitit's own helper first.
+    """
+    slurm_tasks = int(os.environ.get("SLURM_NTASKS", "1"))
+    if "WORLD_SIZE" not in os.environ and os.environ.get("SUBMITIT_EXECUTOR") == "slurm" and slurm_tasks > 1:
+        from submitit.helpers import TorchDistributedEnvironment
+
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist()
+    return Dist(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def init_process_group(d: Dist, device: torch.device) -> None:
+    """Join the job's process group: nccl on CUDA, gloo on CPU."""
+    if d.enabled and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def split_batch(global_batch: int, d: Dist) -> int:
+    """Per-process batch size: ``trainer.batch_size`` stays the global batch, as in the papers."""
+    if global_batch % d.world_size:
+        raise ConfigError(
+            f"trainer.batch_size={global_batch} is not divisible by the {d.world_size} processes; "
+            "choose a global batch that is a multiple of trainer.nproc"
+        )
+    return global_batch // d.world_size
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def sum_over_ranks(t: Tensor) -> Tensor:
+    """In-place sum over processes (a no-op in a single process)."""
+    if world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest ``value`` over the processes (``value`` itself in a single process)."""
+    if world_size() == 1:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def synced_var_mean(var: Tensor, mean: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """Combine per-process biased variances and means over all processes, differentiably
+    (unchanged in a single process).
+
+    Sums of ``n*mean`` and ``n*(var + mean^2)`` are all-reduced in float64 (so the
+    second-moment subtraction keeps its precision) with an autograd-aware all-reduce,
+    whose backward sums the gradients of every process.
+    """
+    if world_size() == 1:
+        return var, mean
+    n = mean.new_full((1,), float(count))
+    packed = torch.cat([mean * n, (var + mean.square()) * n, n]).double()
+    total = dist_fn.all_reduce(packed)
+    c = mean.numel()
+    grand_mean = total[:c] / total[-1]
+    grand_var = (total[c : 2 * c] / total[-1] - grand_mean.square()).clamp_min(0)
+    return grand_var.to(var.dtype), grand_mean.to(mean.dtype)
+
+
+def bnp_reducer(mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
+    """BNP's batch statistics of a layer input, combined over processes (equal batch sizes)."""
+    var, mean = synced_var_mean(var, mean, 1)
+    return mean, var
+
+
+def average_buffers(model: nn.Module) -> None:
+    """Average every floating-point buffer (running and AMAT statistics) over the processes."""
+    if world_size() == 1:
+        return
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    if not buffers:
+        return
+    flat = torch.cat([b.detach().reshape(-1).double() for b in buffers])
+    dist.all_reduce(flat)
+    flat /= world_size()
+    offset = 0
+    for b in buffers:
+        b.copy_(flat[offset : offset + b.numel()].view_as(b))
+        offset += b.numel()
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """``obj`` from every process, in rank order ([obj] in a single process)."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,36 @@
+"""``trainer.nproc=K``: run one training job as K processes through torchrun.
+
+The Hydra job that receives ``trainer.nproc > 1`` outside torchrun owns the run directory
+(Hydra has already written its config there); it starts
+``python -m torch.distributed.run --standalone --nproc_per_node=K -m bnexp train ...`` with
+the same overrides and that directory, and waits. Inside torchrun, every rank composes
+the same config; ranks other than 0 write nothing (see :func:`rank_overrides`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def rank_overrides() -> list[str]:
+    """Extra Hydra overrides for a process started by torchrun: ranks above 0 save no
+    .hydra/ folder and log nothing, so the run directory has one writer."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return []
+    return ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
+def torchrun_command(nproc: int, overrides: list[str], run_dir: Path) -> list[str]:
+    """The torchrun command line that runs this job on ``nproc`` local processes."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "-m", "bnexp", "train", *overrides, f"hydra.run.dir={run_dir}",
+    ]
+
+
+def run_under_torchrun(nproc: int, overrides: list[str], run_dir: Path) -> int:
+    """Start the processes, wait for them, and return torchrun's exit code."""
+    return subprocess.run(torchrun_command(nproc, overrides, run_dir)).returncode

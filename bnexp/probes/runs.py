@@ -1,0 +1,77 @@
+"""In-process runs for the study commands (``bnexp lrsearch``, ``bnexp hessian``): compose a
+config from overrides, train it in a run directory of the study, reuse a finished run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypeVar
+
+from hydra import compose
+from omegaconf import DictConfig, OmegaConf
+
+from bnexp.errors import BnexpError, ConfigError
+from bnexp.report.presets import hydra_session
+
+T = TypeVar("T")
+FINISHED = ("completed", "diverged")  # a diverged run is a result too: it is not trained again
+
+
+def compose_config(overrides: Sequence[str]) -> DictConfig:
+    """The config ``bnexp train`` would run with these overrides."""
+    with hydra_session():
+        return compose("train", list(overrides))
+
+
+def list_option(text: str, convert: Callable[[str], T]) -> list[T]:
+    """``[a,b,c]`` or ``a,b,c`` as a list of converted items."""
+    items = [item.strip() for item in text.strip().strip("[]").split(",") if item.strip()]
+    try:
+        return [convert(item) for item in items]
+    except ValueError as err:
+        raise ConfigError(f"cannot read {text!r} as a list: {err}") from None
+
+
+def run_or_reuse(cfg: DictConfig, run_dir: Path) -> tuple[dict[str, Any], bool]:
+    """Train ``cfg`` in ``run_dir`` unless a finished run of the same config is there.
+
+    Returns the run's summary and whether it was reused. An unfinished run of the same
+    config resumes from its checkpoint; a directory holding another config is an error
+    (the study's results would mix two settings).
+    """
+    from bnexp.trainer import train
+
+    saved = run_dir / "config.yaml"
+    if saved.is_file() and OmegaConf.to_container(OmegaConf.load(saved)) != OmegaConf.to_container(cfg, resolve=True):
+        raise ConfigError(f"{run_dir} holds a run with another config; use another out= directory or remove it")
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        summary = json.loads(summary_path.read_text())
+        if summary.get("status") in FINISHED:
+            return summary, True
+    return train(cfg, run_dir), False
+
+
+def split_options(args: Sequence[str], defaults: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """``key=value`` arguments -> (the command's options over ``defaults``, Hydra overrides)."""
+    options, overrides = dict(defaults), []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise ConfigError(f"expected key=value, got {arg!r}")
+        if key in defaults:
+            options[key] = value
+        else:
+            overrides.append(arg)
+    return options, overrides
+
+
+def run_command(main: Callable[[dict[str, str], list[str]], None], args: list[str], defaults: dict[str, str]) -> None:
+    """Split the arguments (:func:`split_options`), run ``main(options, overrides)``, and
+    end with bnexp's exit code on a user error."""
+    try:
+        main(*split_options(args, defaults))
+    except BnexpError as err:
+        print(f"bnexp: error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)

@@ -1,0 +1,41 @@
+"""The ``weights`` probe: norms and effective learning rates of scale-invariant weights (Arora et al.).
+
+For every weight :func:`bnexp.scale_invariance.scale_invariant_weights` lists, ``norm`` is
+``||w||`` and ``effective_lr`` is ``lr / ||w||^2`` with the learning rate of the optimizer
+group holding ``w`` (``lr_w`` when the run splits the groups). The loss does not change
+when such a weight is rescaled, so a step of size lr on it moves its direction as much as
+a step of ``lr / ||w||^2`` on a unit-norm weight would.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from bnexp.callbacks import TrainState
+from bnexp.probes.callback import FixedWeightProbe, register_probe
+from bnexp.scale_invariance import scale_invariant_weights
+
+log = logging.getLogger("bnexp.probes")
+
+
+@register_probe
+class Weights(FixedWeightProbe):
+    """Per scale-invariant weight: ``norm`` and ``effective_lr``, between steps."""
+
+    name = "weights"
+
+    def on_train_start(self, state: TrainState) -> None:
+        self.weights = scale_invariant_weights(state.model)
+        if not self.weights:
+            log.warning("probe weights: the model has no scale-invariant weight; nothing to measure")
+
+    def measure(self, state: TrainState, step: int) -> None:
+        if not self.weights:
+            return
+        lrs = {id(p): group["lr"] for group in state.optimizer.param_groups for p in group["params"]}
+        squares = torch.stack([w.detach().double().square().sum() for _, w in self.weights]).tolist()
+        for (name, w), square in zip(self.weights, squares):
+            self.emit(step, name, "norm", square**0.5)
+            self.emit(step, name, "effective_lr", lrs[id(w)] / square)

@@ -1,0 +1,111 @@
+"""``bnexp plot <paper>/<name>``: training curves per method, mean over seeds and min-max band.
+
+One panel per table column (an activation, a data set and batch size), one line per
+table row (a method; a tuned row at its winning value), one panel row per metric
+(training loss and test accuracy by default). Written as PNG and PDF.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from bnexp.errors import ConfigError, unknown_choice  # noqa: E402
+from bnexp.report.layouts import LAYOUTS, Layout  # noqa: E402
+from bnexp.report.presets import exit_on_error, parse_command, plan  # noqa: E402
+from bnexp.report.results import load_metrics, load_summaries  # noqa: E402
+from bnexp.report.table import choose, combos, same, select  # noqa: E402
+
+METRIC_NAMES = {"train_loss": "training loss", "test_loss": "test loss", "test_acc": "test top-1 (%)",
+                "train_acc": "training top-1 (%)", "test_top5": "test top-5 (%)"}
+
+
+def band(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Mean, min and max of ``metric`` over the runs' metrics.csv, indexed by epoch."""
+    series = [m.set_index("epoch")[metric] for m in map(load_metrics, runs["run_dir"]) if metric in m]
+    if not series:
+        return pd.DataFrame(columns=["mean", "min", "max"])
+    joined = pd.concat(series, axis=1)
+    return pd.DataFrame({"mean": joined.mean(axis=1), "min": joined.min(axis=1), "max": joined.max(axis=1)})
+
+
+def line_runs(frame: pd.DataFrame, layout: Layout, keys: Mapping[str, Any]) -> tuple[pd.DataFrame, str]:
+    """The runs one line shows (a tuned cell: its winner's) and the suffix naming the winner."""
+    runs = select(frame, keys)
+    if not layout.is_tuned(keys) or runs.empty:
+        return runs, ""
+    choice = choose(layout, runs, "final_top1")
+    if choice is None:
+        return runs.iloc[0:0], ""
+    return select(runs, {layout.tune: choice}), f" {layout.tune_name}={choice:g}"
+
+
+def draw(layout: Layout, frame: pd.DataFrame, metrics: Sequence[str], rows: Sequence[str]) -> plt.Figure:
+    """The figure: metrics x columns panels, a mean line and min-max band per row."""
+    lines = [r for r in combos(layout.rows) if not rows or any(same(r[layout.rows[0].key], v) for v in rows)]
+    cols = combos(layout.columns)
+    fig, axes = plt.subplots(len(metrics), len(cols), squeeze=False, figsize=(3.4 * len(cols), 2.8 * len(metrics)))
+    for j, col in enumerate(cols):
+        axes[0][j].set_title(" ".join(a.label(col[a.key]) for a in layout.columns), fontsize=9)
+        for row in lines:
+            keys = {**row, **col}
+            if layout.not_run and layout.not_run(keys):
+                continue
+            runs, suffix = line_runs(frame, layout, keys)
+            label = " ".join(a.label(row[a.key]) for a in layout.rows) + suffix
+            for i, metric in enumerate(metrics):
+                curve = band(runs, metric)
+                if curve.empty:
+                    continue
+                (drawn,) = axes[i][j].plot(curve.index, curve["mean"], label=label, linewidth=1.2)
+                axes[i][j].fill_between(curve.index, curve["min"], curve["max"], color=drawn.get_color(), alpha=0.2)
+    for i, metric in enumerate(metrics):
+        axes[i][0].set_ylabel(METRIC_NAMES.get(metric, metric))
+        for ax in axes[i]:
+            ax.set_xlabel("epoch")
+            ax.legend(fontsize=6) if ax.lines else None
+    fig.suptitle(layout.title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot(name: str, results: Path, out: Path, metrics: Sequence[str] = ("train_loss", "test_acc"),
+         rows: Sequence[str] = ()) -> list[Path]:
+    """Draw preset ``name`` from the runs under ``results``; return the PNG and PDF paths."""
+    if name not in LAYOUTS:
+        raise unknown_choice("preset", name, LAYOUTS)
+    frame = load_summaries(results)
+    if frame.empty:
+        raise ConfigError(f"no summary.json under {results}: run the sweep first")
+    fig = draw(LAYOUTS[name], frame, metrics, rows)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name.replace('/', '_')}.{ext}" for ext in ("png", "pdf")]
+    for path in paths:
+        fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return paths
+
+
+def command(args: list[str]) -> None:
+    """``bnexp plot <paper>/<name> [results=DIR] [out=DIR] [metrics=a,b] [rows=v,w] [scale=quick]``."""
+    exit_on_error(lambda: plot_for(args))
+
+
+def plot_for(args: list[str]) -> None:
+    """Draw what the command line asks for and print the files written."""
+    usage = "bnexp plot <paper>/<name> [results=DIR] [out=DIR] [metrics=train_loss,test_acc] [rows=...]"
+    defaults = {"results": "", "out": "", "metrics": "train_loss,test_acc", "rows": "", "scale": "full"}
+    name, opts, overrides = parse_command(args, usage, defaults)
+    results = Path(opts["results"] or plan(name, opts["scale"], overrides).results_dir)
+    rows = [v for v in opts["rows"].split(",") if v]
+    out = Path(opts["out"] or results / "plots")
+    from bnexp.probes.plot import plot_results  # the runs' probes.csv figures, if any
+
+    for path in [*plot(name, results, out, opts["metrics"].split(","), rows), *plot_results(results, out)]:
+        print(path)

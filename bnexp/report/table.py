@@ -1,0 +1,228 @@
+"""``bnexp table <paper>/<name>``: a preset's results in the paper's layout.
+
+Each cell is ``mean ± std (n)`` over the completed runs, beside the published value and
+the difference. Runs that diverged or failed, and runs the sweep should have made but
+did not, are counted in the cell's parentheses, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import pandas as pd
+
+from bnexp.errors import unknown_choice
+from bnexp.report.layouts import LAYOUTS, METRIC_LABELS, METRICS, Layout
+from bnexp.report.presets import exit_on_error, parse_command, plan
+from bnexp.report.reference import published
+from bnexp.report.results import first_train_loss, load_summaries, seconds_per_epoch
+
+FORMATS = ("markdown", "latex", "csv")
+LEGEND = ("cell: mean ± std (completed runs; diverged, failed and missing runs); "
+          "paper: the published value; Δ: ours minus paper")
+
+
+@dataclass
+class Cell:
+    """The statistics of one table cell."""
+
+    mean: float = math.nan
+    std: float = math.nan
+    n: int = 0
+    diverged: int = 0
+    failed: int = 0
+    missing: int = 0
+    choice: Any = None  # the tuned value reported (best rho, largest stable lr)
+
+    def text(self, tune_name: str) -> str:
+        value = "–" if self.n == 0 else f"{self.mean:.2f}" if self.n == 1 else f"{self.mean:.2f} ± {self.std:.2f}"
+        notes = [f"{count} {what}" for what, count in
+                 (("diverged", self.diverged), ("failed", self.failed), ("missing", self.missing)) if count]
+        counts = f"({self.n}{'; ' + ', '.join(notes) if notes else ''})"
+        tuned = f" {tune_name}={self.choice:g}" if self.choice is not None else ""
+        return f"{value} {counts}{tuned}"
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal as numbers when both are numbers, else as text."""
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return str(a) == str(b)
+
+
+def select(frame: pd.DataFrame, keys: Mapping[str, Any]) -> pd.DataFrame:
+    """The runs whose config matches every key (none when a key was never recorded)."""
+    mask = pd.Series(True, index=frame.index)
+    for key, value in keys.items():
+        if key not in frame:
+            return frame.iloc[0:0]
+        mask &= frame[key].map(lambda v: same(v, value))
+    return frame[mask]
+
+
+def stats(runs: pd.DataFrame, metric: str, expected: int, choice: Any = None) -> Cell:
+    """Mean and sample std of ``metric`` over completed runs; the other runs counted."""
+    status = runs["status"] if "status" in runs else pd.Series(dtype=str)
+    done = runs.loc[status == "completed", metric].astype(float) if metric in runs else pd.Series(dtype=float)
+    done = done[done.notna()]
+    n, diverged = len(done), int((status == "diverged").sum())
+    std = float(done.std(ddof=1)) if n > 1 else math.nan
+    mean = float(done.mean()) if n else math.nan
+    # anything neither completed with a value nor diverged counts as failed
+    return Cell(mean, std, n, diverged, len(runs) - n - diverged, max(0, expected - len(runs)), choice)
+
+
+def completed(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """The completed runs that recorded ``metric``."""
+    return runs[(runs["status"] == "completed") & runs[metric].notna()] if metric in runs else runs.iloc[0:0]
+
+
+def best_choice(runs: pd.DataFrame, key: str, metric: str, seed: str = "trainer.seed") -> Any:
+    """The tuned value with the highest mean, compared on the seeds every value completed."""
+    done = completed(runs, metric)
+    if done.empty:
+        return None
+    groups = dict(tuple(done.groupby(key)))
+    common = set.intersection(*(set(g[seed]) for g in groups.values()))
+    means = {v: g[g[seed].isin(common)][metric].mean() if common else g[metric].mean() for v, g in groups.items()}
+    return max(sorted(means), key=lambda v: means[v])
+
+
+def largest_stable(runs: pd.DataFrame, key: str, metric: str) -> Any:
+    """The largest value whose runs all completed with a final training loss below the first."""
+    for value, group in sorted(runs.groupby(key), key=lambda item: -float(item[0])):
+        first = group["run_dir"].map(first_train_loss)
+        if (group["status"] == "completed").all() and (group["final_train_loss"].astype(float) < first).all():
+            return value
+    return None
+
+
+def choose(layout: Layout, runs: pd.DataFrame, metric: str) -> Any:
+    """The tuned value a cell reports: the best mean, or the largest stable value."""
+    pick = best_choice if layout.select == "best" else largest_stable
+    return pick(runs, layout.tune, metric) if len(runs) else None
+
+
+def cell(frame: pd.DataFrame, layout: Layout, keys: Mapping[str, Any], metric: str, expected: int) -> Cell:
+    """One cell; a tuned cell reports the winning value's runs."""
+    runs = select(frame, keys)
+    if not layout.is_tuned(keys):
+        return stats(runs, metric, expected)
+    choice = choose(layout, runs, metric)
+    if choice is None:
+        return stats(runs.iloc[0:0], metric, expected)
+    return stats(select(runs, {layout.tune: choice}), metric, expected, choice)
+
+
+def paper_value(layout: Layout, keys: Mapping[str, Any], metric: str) -> tuple[float, float] | None:
+    """(mean, std) published for this cell, if the paper printed one."""
+    if layout.paper is None:
+        return None
+    ref = published()
+    ref = ref[(ref["paper"] == layout.paper) & (ref["table"] == layout.table) & (ref["metric"] == metric)]
+    for axis in (*layout.rows, *layout.columns):
+        if axis.published:
+            ref = ref[ref[axis.published].map(lambda v: same(v, keys[axis.key]))]
+    return (float(ref["mean"].iloc[0]), float(ref["std"].iloc[0])) if len(ref) else None
+
+
+def fmt_paper(value: tuple[float, float] | None) -> str:
+    """A published value: ``mean ± std``, or the mean alone where no std was printed."""
+    if value is None:
+        return ""
+    mean, std = value
+    return f"{mean:.2f}" if math.isnan(std) else f"{mean:.2f} ± {std:.2f}"
+
+
+def fmt_diff(a: float, b: float) -> str:
+    """``a - b`` with its sign, or nothing when either is unknown."""
+    return "" if math.isnan(a) or math.isnan(b) else f"{a - b:+.2f}"
+
+
+def combos(axes: Sequence[Any]) -> list[dict[str, Any]]:
+    """Every combination of the axes' values, in order, as {key: value}."""
+    return [dict(zip((a.key for a in axes), values)) for values in itertools.product(*(a.values for a in axes))]
+
+
+def with_metrics(frame: pd.DataFrame, layout: Layout) -> pd.DataFrame:
+    """Add the derived metric columns a layout needs (seconds per epoch)."""
+    if "seconds_per_epoch" in layout.metrics and "run_dir" in frame:
+        frame = frame.assign(seconds_per_epoch=frame["run_dir"].map(seconds_per_epoch))
+    return frame
+
+
+def build(layout: Layout, frame: pd.DataFrame, expected: int) -> pd.DataFrame:
+    """The table as text: row label columns, flag columns, then per column ours/paper/Δ."""
+    frame = with_metrics(frame, layout)
+    rows, cols = combos(layout.rows), combos(layout.columns)
+    if layout.not_run:
+        cols = [c for c in cols if not all(layout.not_run({**r, **c}) for r in rows)]
+        rows = [r for r in rows if not all(layout.not_run({**r, **c}) for c in cols)]
+    lines: list[dict[str, str]] = []
+    baseline: dict[str, tuple[float, float]] = {}
+    for row in rows:
+        line = {a.name: a.label(row[a.key]) for a in layout.rows}
+        line |= {flag: "x" if marks.get(row[layout.rows[0].key]) else "" for flag, marks in layout.flags.items()}
+        improv = {name: "" for name in line} | {layout.rows[0].name: "Improv."}
+        means: dict[str, tuple[float, float]] = {}
+        for col, metric in itertools.product(cols, layout.metrics):
+            name, keys = column_name(layout, col, metric), {**row, **col}
+            paper = paper_value(layout, keys, metric)
+            ours = Cell() if layout.not_run and layout.not_run(keys) else cell(frame, layout, keys, METRICS[metric], expected)
+            line[name] = "n/a" if layout.not_run and layout.not_run(keys) else ours.text(layout.tune_name)
+            means[name] = (ours.mean, paper[0] if paper else math.nan)
+            improv[name] = fmt_diff(ours.mean, baseline[name][0]) if baseline else ""
+            if layout.paper:
+                line |= {f"{name} paper": fmt_paper(paper), f"{name} Δ": fmt_diff(*means[name])}
+                improv |= {f"{name} paper": fmt_diff(paper[0] if paper else math.nan, baseline[name][1]) if baseline else "",
+                           f"{name} Δ": ""}
+        lines.append(line)
+        if layout.improv and baseline:
+            lines.append(improv)
+        baseline = baseline or means
+    return pd.DataFrame(lines)
+
+
+def column_name(layout: Layout, col: Mapping[str, Any], metric: str) -> str:
+    """A column's header: its values' labels (single-valued axes left out), then the metric."""
+    name = " ".join(a.label(col[a.key]) for a in layout.columns if len(a.values) > 1 or len(layout.columns) == 1)
+    return f"{name} {METRIC_LABELS[metric]}".strip() if len(layout.metrics) > 1 else name
+
+
+def render(table: pd.DataFrame, fmt: str, title: str) -> str:
+    """Markdown (pandas + tabulate), LaTeX (pandas Styler) or CSV text."""
+    if fmt == "markdown":
+        return f"{title}\n\n{table.to_markdown(index=False, disable_numparse=True)}\n\n{LEGEND}\n"
+    if fmt == "latex":
+        styler = table.style.hide(axis="index").format(escape="latex").format_index(escape="latex", axis=1)
+        return styler.to_latex(caption=f"{title}. {LEGEND}.".replace("%", r"\%"), hrules=True)
+    if fmt == "csv":
+        return table.to_csv(index=False)
+    raise unknown_choice("format", fmt, FORMATS)
+
+
+def table_text(name: str, results: Path, expected: int, fmt: str = "markdown") -> str:
+    """The rendered table of preset ``name`` from the summaries under ``results``."""
+    if name not in LAYOUTS:
+        raise unknown_choice("table", name, LAYOUTS)
+    layout = LAYOUTS[name]
+    table = build(layout, load_summaries(results), expected)
+    return render(table, fmt, f"{layout.title} ({results})")
+
+
+def command(args: list[str]) -> None:
+    """``bnexp table <paper>/<name> [results=DIR] [format=markdown|latex|csv] [scale=quick]``."""
+    exit_on_error(lambda: print(text_for(args), end=""))
+
+
+def text_for(args: list[str]) -> str:
+    """The table the command line asks for."""
+    usage = "bnexp table <paper>/<name> [results=DIR] [format=markdown|latex|csv] [scale=full|quick]"
+    name, options, overrides = parse_command(args, usage, {"results": "", "format": "markdown", "scale": "full"})
+    p = plan(name, options["scale"], overrides)
+    return table_text(name, Path(options["results"] or p.results_dir), len(p.seeds), options["format"])

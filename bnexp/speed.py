@@ -1,0 +1,82 @@
+"""The training step's fast paths: mixed precision, channels_last and torch.compile.
+
+``trainer.amp`` (``off`` | ``bf16`` | ``fp16``) runs the forward under torch.autocast;
+fp16 also scales the loss with a GradScaler, whose state goes into checkpoints.
+``trainer.channels_last`` stores the model's conv weights and image inputs in NHWC order.
+``trainer.compile`` compiles the forward (autocast included) with torch.compile. Under
+torchrun the model is wrapped in DistributedDataParallel before compilation.
+:class:`Accelerated` wraps the model; the model itself stays an ordinary module, so its
+state_dict, the callbacks and the checkpoints never see the wrapper.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from bnexp.errors import ConfigError, unknown_choice
+
+AMP_DTYPES: dict[str, Optional[torch.dtype]] = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def amp_mode(value: Any) -> str:
+    """``trainer.amp`` as one of :data:`AMP_DTYPES` (YAML reads a bare ``off`` as false)."""
+    mode = "off" if value is False or value is None else str(value)
+    if mode not in AMP_DTYPES:
+        raise unknown_choice("trainer.amp", value, AMP_DTYPES)
+    return mode
+
+
+class Accelerated(nn.Module):
+    """``model`` called under the run's memory format, autocast and compiler; float32 logits.
+
+    Converts ``model`` to channels_last in place when asked (before the optimizer is built,
+    so it sees the converted parameters). Owns the GradScaler (a no-op unless ``fp16``).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, amp: str = "off", channels_last: bool = False,
+                 compile: bool = False, distributed: bool = False) -> None:
+        super().__init__()
+        self.amp = amp_mode(amp)
+        self.dtype = AMP_DTYPES[self.amp]
+        self.device_type = device.type
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.model = model.to(memory_format=self.memory_format)
+        if distributed:  # gradients all-reduced in backward; buffers are averaged by the trainer instead
+            self.model = DistributedDataParallel(
+                self.model, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False
+            )
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp == "fp16")
+        if compile:
+            # Fixed shapes: a partial last batch or the eval batch size gets its own graph
+            # instead of turning every graph dynamic.
+            self.compile(dynamic=False)
+
+    @classmethod
+    def from_config(cls, model: nn.Module, device: torch.device, cfg: Mapping[str, Any],
+                    distributed: bool = False) -> Accelerated:
+        """From the ``trainer`` config group (missing keys mean off); ``distributed`` wraps DDP."""
+        compile_ = cfg.get("compile", False)
+        if not isinstance(compile_, bool):
+            raise ConfigError(f"trainer.compile={compile_!r} is not valid: use true or false")
+        return cls(model, device, cfg.get("amp", "off"), bool(cfg.get("channels_last", False)), compile_, distributed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() == 4:
+            x = x.contiguous(memory_format=self.memory_format)
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None):
+            return self.model(x).float()
+
+    def backward(self, loss: Tensor, optimizer: Optimizer) -> None:
+        """Backward through the (scaled) loss, then unscale: hooks see the true gradients."""
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: Optimizer) -> None:
+        """The optimizer step (skipped by fp16 when a gradient overflowed) and scale update."""
+        self.scaler.step(optimizer)
+        self.scaler.update()

@@ -1,0 +1,71 @@
+"""``bnexp bench``: every subcommand runs at toy size and writes valid records (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bnexp.errors import EXIT_CONFIG
+from tests.conftest import run_cli
+
+QUICK = ["reps=2", "device=cpu"]
+TOY_MODEL = ["model.width=4", "trainer.device=cpu"]
+TOY_DATA = ["data=synthetic", "data.image_size=8", "data.train_size=64", "data.test_size=32", "data.num_workers=0"]
+REQUIRED = {"name", "mode", "device", "seconds_median", "seconds_iqr", "reps", "baseline", "ratio", "env"}
+
+
+def bench(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> list[dict]:
+    out = tmp_path / f"{args[0]}.json"
+    code, text = run_cli(["bench", *args, *QUICK, f"out={out}"], capsys)
+    assert code == 0, text
+    records = json.loads(out.read_text())
+    for r in records:
+        assert REQUIRED <= r.keys(), r.keys()
+        assert r["mode"] in ("eager", "compiled") and r["device"] == "cpu" and r["seconds_median"] > 0
+        assert r["env"]["torch"] and r["env"]["date"]
+    assert "seconds_median" in text  # the printed table
+    return records
+
+
+def test_bench_norms(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    records = bench(["norms", "nets=resnet20", "batch=2", "number=1", "warmup=1", "modes=eager"], tmp_path, capsys)
+    assert [r["name"] for r in records] == ["bn", "family", "popnorm", "cbn", "brn", "bn_si"]
+    assert all(r["baseline"] == "bn/eager" and r["ratio"] > 0 for r in records)
+
+
+def test_bench_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["step", "models=resnet20", "norms=cbn,bnp", "batch=4", "image_size=8", "number=1", "warmup=1",
+            "modes=eager", *TOY_MODEL]
+    records = bench(args, tmp_path, capsys)
+    assert {r["name"]: r["baseline"] for r in records} == {"cbn": "bn/eager", "bnp": "none/eager"}
+    assert all(r["model"] == "resnet20" and r["ratio"] > 0 for r in records)
+
+
+def test_bench_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    records = bench(["data", "batch=16", "train_size=64", "number=2", "warmup=1", "data.num_workers=0"], tmp_path,
+                    capsys)
+    by_name = {r["name"]: r for r in records}
+    assert by_name.keys() == {"torch", "device"} and by_name["torch"]["ratio"] == 1.0
+    assert by_name["device"]["images_per_s"] > 0 and by_name["device"]["speedup"] > 0
+
+
+def test_bench_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    records = bench(["run", "trainer.batch_size=16", *TOY_MODEL, *TOY_DATA], tmp_path, capsys)
+    (run,) = records
+    assert run["name"] == "run" and run["epochs"] == 2 and run["loader"] == "torch"
+    assert run["extrapolated_seconds"] > run["seconds_median"] and run["ratio"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["warp"], "unknown bench subcommand 'warp'"),
+    (["norms", "model.width=4"], "unknown option 'model.width'"),
+    (["norms", "reps=many"], "reps='many' is not valid"),
+    (["norms", "nets=resnet9"], "unknown net 'resnet9'"),
+    (["run", "trainer.epochs=1"], "bench run needs trainer.epochs >= 2"),
+    (["run", "warmup=1"], "Could not override 'warmup'"),
+])
+def test_bench_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, text = run_cli(["bench", *args], capsys)
+    assert code == EXIT_CONFIG and message in text

@@ -1,0 +1,123 @@
+"""Paper presets: composition, run counts, two-stage tuning, skip-completed, quick scale."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bnexp.report.presets import plan, preset_names, skip_reason
+from bnexp.report.reproduce import count, reproduce, stage_one, stage_two
+from tests.conftest import TINY, compose_cfg, read_summary, run_cli
+
+# (3 untuned rows + 4 tuned rows x 6 rho) x 5 activations x 10 seeds
+CBN_ABLATION = (3 + 4 * 6) * 5 * 10
+EXPECTED_RUNS = {
+    "cbn/table1": CBN_ABLATION, "cbn/table2": CBN_ABLATION, "cbn/table3": CBN_ABLATION, "cbn/table4": CBN_ABLATION,
+    "cbn/table5": 3 * 2 * 5,  # models x {BN, CBN} x activations, one run each
+    "cbn/table6": 4 * 5 * 5 * 10,  # components x activations x lr candidates x seeds
+    "cbn/rho": 6 * 5 * 10,
+    "cbn/amat": 3 * 5,
+    "popnorm/table1": 2 * 3 * 2 * 2 * 10,  # models x activations x data sets x methods x seeds
+    "popnorm/table2": 2,
+    "popnorm/kappa": 3 * 3 * 10,
+    "popnorm/ablation": 5 * 3 * 10,
+    "bnp/fc": (4 + 4 + 5 + 3) * 5,  # (MNIST 60, CIFAR 60, CIFAR 6, CIFAR 1) methods with a paper lr x seeds
+    "bnp/cnn5": (3 + 4 + 2) * 5,  # batch 128, 2, 1
+    "bnp/resnet110": 4 * 5,
+    "bnp/preact110": 4 * 5,
+    "bnp/hessian": 2 * 5,
+    "bnp/timing": 2 * 3,
+    "arora/auto_rate": 5 * 3,
+}
+
+
+def test_every_preset_composes_and_expands_to_its_run_count() -> None:
+    assert sorted(EXPECTED_RUNS) == preset_names()
+    for name, runs in EXPECTED_RUNS.items():
+        p = plan(name)
+        assert len(p.jobs) == runs, name
+        assert p.results_dir == Path("results") / name
+        assert len(set(p.jobs)) == runs, f"{name}: duplicate runs"
+
+
+def test_quick_scale_keeps_the_layout_with_two_seeds() -> None:
+    p = plan("cbn/table1", "quick")
+    assert len(p.jobs) == CBN_ABLATION // 5 and p.seeds == [0, 1]
+    assert p.results_dir == Path("results/quick/cbn/table1")
+    cfg = compose_cfg(["experiment=popnorm/table1", "scale=quick", "dataset=cifar100"])
+    assert cfg.data.name == "synthetic" and cfg.tags.data == "cifar100" and cfg.trainer.max_steps == 6
+
+
+def test_cbn_rows_set_the_ablation_flags() -> None:
+    row5 = compose_cfg(["experiment=cbn/table1", "cbn_row=r5_rho0.25"])
+    assert (row5.norm.placement, row5.norm.decouple, row5.norm.rho, row5.norm.amat) == ("before_op", True, 0.25, False)
+    assert row5.tags.row == 5 and row5.model.name == "resnet20" and row5.data.name == "cifar10"
+    row2 = compose_cfg(["experiment=cbn/table4", "cbn_row=r2_rho8"])
+    assert (row2.norm.name, row2.norm.amat, row2.norm.rho, row2.model.name) == ("cbn", True, 8.0, "vgg16")
+    assert row2.data.name == "cifar100" and row2.schedule.milestones == [60, 100]
+
+
+def test_bnp_learning_rates_come_from_the_paper_table(tmp_path: Path) -> None:
+    cfg = compose_cfg(["experiment=bnp/fc", "dataset=cifar10", "trainer.batch_size=6", "norm=none"])
+    assert cfg.optim.lr == 5e-3 and skip_reason(cfg, tmp_path) is None
+    na = compose_cfg(["experiment=bnp/fc", "dataset=cifar10", "trainer.batch_size=1", "norm=bn"])
+    assert na.optim.lr is None and "N/A" in skip_reason(na, tmp_path)
+    wd = compose_cfg(["experiment=bnp/resnet110", "norm=bnp_gn"])
+    assert wd.optim.weight_decay == 1.5e-4 and compose_cfg(["experiment=bnp/resnet110"]).optim.weight_decay == 1e-4
+
+
+def fake_summary(results: Path, row: int, act: str, rho: float, seed: int, acc: float) -> None:
+    run = results / f"r{row}_{act}_{rho}_{seed}"
+    run.mkdir(parents=True)
+    config = {"tags": {"row": row}, "act": {"name": act}, "norm": {"rho": rho}, "trainer": {"seed": seed}}
+    (run / "summary.json").write_text(json.dumps({"status": "completed", "final_top1": acc, "config": config}))
+
+
+def test_two_stage_tuning_counts(tmp_path: Path) -> None:
+    p = plan("cbn/table1", overrides=[f"hydra.sweep.dir={tmp_path}"])
+    untuned, grid = stage_one(p, tune_seeds=2)
+    assert count(p, [untuned]) == 3 * 5 * 10 and count(p, [grid]) == 4 * 6 * 5 * 2
+    for row in (2, 5, 6, 7):  # stage 1 done: rho = 2 wins everywhere
+        for act in ("sigmoid", "tanh", "relu", "selu", "swish"):
+            for rho in (0.25, 0.5, 1.0, 2.0, 4.0, 8.0):
+                for seed in (0, 1):
+                    fake_summary(tmp_path, row, act, rho, seed, 80 + (rho == 2.0))
+    second = stage_two(p, tune_seeds=2)
+    assert len(second) == 4 * 5 and all("_rho2" in sweep[0] for sweep in second)
+    assert count(p, second) == 4 * 5 * 8  # the winners' other 8 seeds: every winner at 10 seeds
+
+
+def test_rerun_skips_completed_and_reruns_failed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["train", "-m", *TINY, "act=relu,tanh", f"hydra.sweep.dir={tmp_path}"]
+    assert run_cli(args, capsys)[0] == 0
+    runs = sorted(p.parent for p in tmp_path.glob("*/summary.json"))
+    assert len(runs) == 2
+    failed = runs[0] / "summary.json"
+    failed.write_text(json.dumps({**read_summary(runs[0]), "status": "failed"}))
+    stamps = {run: (run / "summary.json").stat().st_mtime_ns for run in runs}
+    code, out = run_cli(args, capsys)
+    assert code == 0 and "already completed" in out
+    assert read_summary(runs[0])["status"] == "completed"  # the failed cell ran again
+    assert (runs[1] / "summary.json").stat().st_mtime_ns == stamps[runs[1]]  # the completed one did not
+
+
+def test_full_scale_without_gpu_stops_with_estimate(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        reproduce("cbn/table1")
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "1350 runs" in err and "GPU-hours" in err and "scale=quick" in err
+
+
+def test_quick_reproduce_fills_every_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    table = reproduce("popnorm/table2", "quick", overrides=[f"hydra.sweep.dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "4 runs" in out
+    lines = [line for line in table.splitlines() if line.startswith("| ResNet-18")]
+    assert len(lines) == 1
+    cells = [c.strip() for c in lines[0].strip("|").split("|")]
+    ours = cells[1::3]  # top-1/top-5 of BN and POP-Norm, each followed by paper and Δ
+    assert len(ours) == 4 and all(c.endswith("(2)") and not c.startswith("–") for c in ours)

@@ -1,0 +1,52 @@
+"""``bnexp lrsearch``: collapse detection, the max-stable-lr table, reuse of finished runs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from bnexp.probes.lrsearch import collapsed, max_stable
+from tests.conftest import TINY, run_cli
+
+TOY = [o for o in TINY if not o.startswith("trainer.max_steps")] + ["model=mlp2x100", "model.width=8",
+                                                                    "trainer.max_steps=8"]
+
+
+def test_collapse_rule() -> None:
+    assert not collapsed("completed", 2.3, 2.0)
+    assert collapsed("completed", 2.3, 2.3)  # not below the initial loss
+    assert collapsed("completed", 2.3, math.inf)
+    assert collapsed("diverged", 2.3, 1.0)
+
+
+def test_max_stable_takes_the_largest_lr_no_seed_collapses_at() -> None:
+    runs = pd.DataFrame({
+        "method": ["cbn"] * 6, "act": ["relu"] * 6, "lr": [0.01, 0.01, 0.1, 0.1, 1.0, 1.0], "seed": [0, 1] * 3,
+        "collapsed": [False, False, False, False, False, True], "test_acc": [50.0, 52.0, 60.0, 64.0, 70.0, 10.0],
+    })
+    row = max_stable(runs).iloc[0]
+    assert row["max_stable_lr"] == 0.1 and row["test_acc"] == 62.0 and row["seeds"] == 2
+
+
+def test_lrsearch_marks_a_huge_lr_as_collapsed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["lrsearch", *TOY, "methods=[none]", "acts=[relu]", "lrs=[1e-2,1e3]", f"out={tmp_path}", "format=csv"]
+    code, out = run_cli(args, capsys)
+    assert code == 0, out
+    runs = pd.read_csv(tmp_path / "lrsearch_runs.csv").set_index("lr")
+    assert not runs.loc[1e-2, "collapsed"] and runs.loc[1e-2, "final_loss"] < runs.loc[1e-2, "initial_loss"]
+    assert runs.loc[1e3, "collapsed"]
+    table = pd.read_csv(tmp_path / "lrsearch.csv")
+    assert table[["method", "act", "max_stable_lr"]].values.tolist() == [["none", "relu", 1e-2]]
+    assert (tmp_path / "none" / "relu" / "lr=0.01,seed=0" / "probes.csv").is_file()
+    code, out = run_cli(args, capsys)  # finished candidates are reused, not trained again
+    assert code == 0 and out.count("(reused)") == 2
+
+
+def test_lrsearch_refuses_a_directory_of_another_search(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["lrsearch", *TOY, "methods=[none]", "acts=[relu]", "lrs=[1e-2]", f"out={tmp_path}"]
+    assert run_cli(base, capsys)[0] == 0
+    code, out = run_cli([*base, "trainer.max_steps=9"], capsys)
+    assert code == 2 and "another config" in out

@@ -1,0 +1,159 @@
+"""Probes: exact values on hand-built cases, and no effect on the training trajectory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from bnexp.nn import CBN2d, POPNorm2d
+from bnexp.probes import read_probes
+from bnexp.probes.callback import ProbesCallback, ProbeWriter, probes_callback
+from bnexp.probes.eta_tau import QUANTILES, EtaTau, quantity_name
+from bnexp.probes.gradients import gradient_variance
+from bnexp.trainer import train
+from tests.conftest import TINY, compose_cfg, read_metrics
+
+RUN = [*TINY, "trainer.max_steps=5", "trainer.eval_every=2", "trainer.eval_unit=step"]
+
+
+def test_grad_var_equals_least_squares_closed_form() -> None:
+    g = torch.Generator().manual_seed(0)
+    k, n, d = 6, 7, 5
+    xs = torch.randn(k, n, d, generator=g, dtype=torch.float64)
+    ys = torch.randn(k, n, generator=g, dtype=torch.float64)
+    model = nn.Sequential(nn.Linear(d, 1, bias=False)).double()
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (out.squeeze(1) - y).square().mean()
+
+    got = gradient_variance(model, list(zip(xs, ys)), loss, list(model.named_parameters()))
+
+    w = model[0].weight.detach().numpy()[0]
+    x, y = xs.numpy(), ys.numpy()
+    grads = np.stack([((x[i] @ w - y[i])[:, None] * x[i]).mean(axis=0) for i in range(k)])  # mean_j r_j x_j
+    expected = ((grads - grads.mean(axis=0)) ** 2).sum(axis=1).mean()
+    assert got == {"0.weight": pytest.approx(expected, rel=1e-12)}
+
+
+@pytest.mark.parametrize("amat", [True, False])
+def test_eta_tau_quantiles_equal_the_formula(amat: bool) -> None:
+    g = torch.Generator().manual_seed(1)
+    layer = CBN2d(6, rho=2.0) if amat else POPNorm2d(6, kappa=2.0)
+    with torch.no_grad():
+        layer.weight.copy_(torch.rand(6, generator=g) + 0.5)
+        layer.bias.copy_(torch.randn(6, generator=g))
+        if amat:
+            layer.amat_mean = torch.randn(6, generator=g) + 3.0
+            layer.amat_steps.fill_(4)
+        else:
+            layer.running_mean.copy_(torch.randn(6, generator=g) + 3.0)
+    mu_a = (layer.amat_mean if amat else layer.running_mean).double().numpy().copy()
+    model = nn.Sequential(layer)
+    x = torch.randn(5, 6, 3, 3, generator=g) * 2 + 1
+    probe = EtaTau({"every": 1}, None)
+    state = SimpleNamespace(model=model, step=0, total_steps=3)
+    probe.on_train_start(state)
+    probe.before_step(state)
+    if amat:
+        layer.set_learning_rate(0.05)
+    model(x)
+    got = {(layer_name, q): v for _, _, layer_name, q, v in probe.drain()}
+
+    xn = x.double().numpy()
+    beta, gamma = layer.bias.detach().double().numpy(), layer.weight.detach().double().numpy()
+    mu_b = xn.mean(axis=(0, 2, 3))
+    x1 = xn - mu_b[None, :, None, None] + beta[None, :, None, None]
+    sigma_b = np.sqrt((x1**2).mean(axis=(0, 2, 3)) + layer.eps)
+    expected = {"eta": (mu_b - beta) / mu_a, "tau": gamma / (2.0 * sigma_b)}
+    assert len(got) == 2 * len(QUANTILES)
+    for prefix, values in expected.items():
+        for q, value in zip(QUANTILES, np.quantile(values, QUANTILES)):
+            assert got[("0", quantity_name(prefix, q))] == pytest.approx(value, rel=1e-9)
+
+
+def _trajectory(run: Path) -> tuple[list[dict[str, str]], dict[str, torch.Tensor]]:
+    """metrics.csv without its wall-clock column, and the final model state."""
+    rows = [{k: v for k, v in r.items() if k != "seconds"} for r in read_metrics(run / "metrics.csv")]
+    return rows, torch.load(run / "checkpoint.pt", weights_only=False)["model"]
+
+
+SETUPS = {
+    "cbn": ["norm=cbn", "optim.lr=0.02"],  # AMAT buffers, decoupled layers (eta_tau)
+    "bn": [],  # running statistics, scale-invariant weights
+    "bnp": ["model=mlp2x100", "norm=bnp"],  # BNP statistics in forward hooks, the hessian probe
+}
+CASES = [("grad_norm", "bnp"), ("grad_var", "cbn"), ("grad_var", "bnp"), ("loss", "cbn"), ("eta_tau", "cbn"),
+         ("weights", "bn"), ("time", "bn"), ("hessian", "bnp")]
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("baseline")
+    for name, overrides in SETUPS.items():
+        summary = train(compose_cfg([*RUN, *overrides]), root / name)
+        assert summary["status"] == "completed"
+    return {name: root / name for name in SETUPS}
+
+
+@pytest.mark.parametrize(("probe", "setup"), CASES)
+def test_probe_leaves_training_unchanged(probe: str, setup: str, baselines: dict[str, Path], tmp_path: Path) -> None:
+    every = [f"probe.{probe}.every=2"] + ([f"probe.{probe}.k=3"] if probe in ("grad_var", "loss") else [])
+    train(compose_cfg([*RUN, *SETUPS[setup], f"probes=[{probe}]", *every]), tmp_path)
+    rows, weights = _trajectory(tmp_path)
+    base_rows, base_weights = _trajectory(baselines[setup])
+    assert rows == base_rows
+    assert weights.keys() == base_weights.keys()
+    assert all(torch.equal(weights[k], base_weights[k]) for k in weights)
+    measured = read_probes(tmp_path)
+    assert len(measured) and set(measured["probe"]) == {probe}
+
+
+def test_schedule_and_layout(tmp_path: Path) -> None:
+    train(compose_cfg([*RUN, "probes=[grad_norm,loss]", "probe.grad_norm.every=3", "probe.loss.every=2"]), tmp_path)
+    frame = read_probes(tmp_path)
+    assert list(frame.columns) == ["step", "probe", "layer", "quantity", "value"]
+    norms = frame[(frame["probe"] == "grad_norm") & (frame["layer"] == "all")]
+    assert norms["step"].tolist() == [0, 3, 4]  # the schedule, then the last step
+    assert frame[frame["probe"] == "loss"]["step"].tolist() == [0, 2, 4, 5]  # ... then the final weights
+    per_layer = frame[(frame["probe"] == "grad_norm") & (frame["step"] == 0) & (frame["layer"] != "all")]
+    assert (per_layer["value"] ** 2).sum() == pytest.approx(norms["value"].iloc[0] ** 2, rel=1e-9)
+    wide = frame.pivot_table(index="step", columns=["probe", "layer", "quantity"], values="value")
+    assert ("loss", "all", "loss") in wide.columns
+
+
+def test_resume_cuts_rows_written_after_the_checkpoint(tmp_path: Path) -> None:
+    cfg = compose_cfg([*RUN, "probes=[grad_norm]"])
+    callback = probes_callback(cfg)
+    assert isinstance(callback, ProbesCallback)
+    writer = ProbeWriter(tmp_path / "probes.csv")
+    writer.append([(0, "grad_norm", "all", "norm", 1.0)])
+    checkpoint_length = writer.length()
+    writer.append([(1, "grad_norm", "all", "norm", 2.0)])
+    callback.writer = writer
+    callback.load_state_dict({"csv_length": checkpoint_length, "probes": {}})
+    writer.append([(1, "grad_norm", "all", "norm", 3.0)])
+    assert read_probes(tmp_path)["value"].tolist() == [1.0, 3.0]
+
+
+def test_unknown_probe_is_a_config_error(tmp_path: Path) -> None:
+    from bnexp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown probe 'nope'"):
+        train(compose_cfg([*RUN, "probes=[nope]"]), tmp_path)
+
+
+def test_plot_draws_every_probe(tmp_path: Path) -> None:
+    from bnexp.probes.plot import plot_results
+
+    probes = "probes=[grad_norm,grad_var,weights,time,loss]"
+    train(compose_cfg([*RUN, probes, "probe.grad_var.k=2"]), tmp_path / "r" / "bn")
+    train(compose_cfg([*RUN, *SETUPS["cbn"], "probes=[eta_tau]", "probe.eta_tau.every=2"]), tmp_path / "r" / "cbn")
+    paths = plot_results(tmp_path / "r", tmp_path / "plots")
+    names = {"grad_norm", "grad_var", "weights", "time", "loss", "eta_tau_cbn"}
+    assert sorted(p.name for p in paths) == sorted(f"probe_{n}.png" for n in names)
+    assert all(p.stat().st_size > 0 for p in paths)

@@ -1,0 +1,241 @@
+"""The fast paths compute what the slow ones do: device loader, channels_last, compile, amp."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+from torchvision.transforms.v2 import functional as TF
+
+from bnexp import checkpoint
+from bnexp.data import build_data
+from bnexp.data.arrays import ArrayData, cifar_transforms
+from bnexp.data.device import pad_crop_flip
+from bnexp.data.loaders import build_loaders, loader_kind
+from bnexp.errors import ConfigError
+from bnexp.models import DataSpec, build_model
+from bnexp.nn import BNP, CBN2d, NormFamily2d, set_learning_rate
+from bnexp.speed import Accelerated, amp_mode
+from bnexp.trainer import train
+from tests.conftest import TINY, compose_cfg, read_metrics
+from tests.test_resilience import CrashAt, assert_same_run, run_inprocess
+
+CPU = torch.device("cpu")
+PAD, SIZE = 4, 8
+
+
+def data_cfg(**kw: object) -> dict:
+    return {"name": "synthetic", "num_classes": 10, "image_size": SIZE, "train_size": 40, "test_size": 24,
+            "sampling": "with_replacement", "augment": True, "padding": PAD, "num_workers": 0,
+            "eval_batch_size": 10, **kw}
+
+
+def both_loaders(batch: int = 16, **kw: object):
+    cfg = data_cfg(**kw)
+    bundle = build_data(cfg)
+    return (build_loaders(bundle, {**cfg, "loader": "torch"}, batch, 3, False),
+            build_loaders(bundle, {**cfg, "loader": "device"}, batch, 3, False, CPU))
+
+
+def take(stream, n: int) -> list:
+    return [next(stream) for _ in range(n)]
+
+
+# -- the device loader ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling", ["with_replacement", "shuffle"])
+def test_device_loader_draws_the_same_batches(sampling: str) -> None:
+    torch_loaders, device_loaders = both_loaders(sampling=sampling, augment=False)
+    assert (torch_loaders.kind, device_loaders.kind) == ("torch", "device")
+    assert device_loaders.steps_per_epoch == torch_loaders.steps_per_epoch == 3  # 16 + 16 + 8
+    for (xa, ya), (xb, yb) in zip(take(torch_loaders.epochs_from(0), 7), take(device_loaders.epochs_from(0), 7)):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    for (xa, ya), (xb, yb) in zip(torch_loaders.test, device_loaders.test, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)  # bit-identical evaluation batches
+
+
+def test_device_augmentation_is_a_pure_function_of_the_step() -> None:
+    _, loaders = both_loaders()
+    whole = take(loaders.epochs_from(0), 8)
+    resumed = take(loaders.epochs_from(4), 4)
+    for (xa, ya), (xb, yb) in zip(whole[4:], resumed):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def coordinate_image() -> torch.Tensor:
+    """3 x 8 x 8 uint8: channel 0 holds 10 * (row + 1), channel 1 10 * (col + 1), channel 2 200."""
+    rows = torch.arange(1, SIZE + 1).view(-1, 1).expand(SIZE, SIZE)
+    return torch.stack([10 * rows, 10 * rows.T, torch.full((SIZE, SIZE), 200)]).to(torch.uint8)
+
+
+def decode(image: torch.Tensor) -> tuple[int, int, bool]:
+    """(top, left, flipped) of a pad-crop(-flip) of :func:`coordinate_image`."""
+    i, j = (image[2] > 0).nonzero()[0].tolist()
+    top = int(image[0, i, j]) // 10 - 1 + PAD - i
+    inside = (image[2, i] > 0).nonzero().flatten().tolist()
+    cols = [int(image[1, i, c]) // 10 - 1 for c in inside]
+    flipped = cols[1] < cols[0]
+    left = cols[0] + PAD - ((SIZE - 1 - inside[0]) if flipped else inside[0])
+    return top, left, flipped
+
+
+def torchvision_draws(n: int) -> list[torch.Tensor]:
+    """``n`` draws of the torch path's transform, mapped back from normalized floats to uint8."""
+    image = coordinate_image()
+    data = ArrayData("coords", image[None].repeat(2, 1, 1, 1), torch.zeros(2, dtype=torch.long), image[None],
+                     torch.zeros(1, dtype=torch.long), 1)
+    transform = cifar_transforms(data, {"augment": True, "padding": PAD}, train=True)
+    mean, std = torch.tensor(data.mean).view(-1, 1, 1), torch.tensor(data.std).view(-1, 1, 1)
+    torch.manual_seed(0)
+    return [((transform(image) * std + mean) * 255).round().to(torch.uint8) for _ in range(n)]
+
+
+def device_draws(n: int) -> torch.Tensor:
+    return pad_crop_flip(coordinate_image()[None].expand(n, -1, -1, -1), PAD, torch.Generator().manual_seed(0))
+
+
+def torchvision_crop(top: int, left: int, flipped: bool) -> torch.Tensor:
+    out = TF.crop(TF.pad(coordinate_image(), [PAD]), top, left, SIZE, SIZE)
+    return TF.horizontal_flip(out) if flipped else out
+
+
+def test_device_augmentation_is_torchvisions_crop_and_flip() -> None:
+    for image in [*device_draws(50), *torchvision_draws(50)]:
+        assert torch.equal(image, torchvision_crop(*decode(image)))
+
+
+def chi_square(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_device_augmentation_has_torchvisions_distribution() -> None:
+    n, cells = 2000, 2 * PAD + 1
+    images = {"device": device_draws(n), "torch": torch.stack(torchvision_draws(n))}
+    draws = {k: [decode(x) for x in v] for k, v in images.items()}
+    offsets = {k: torch.bincount(torch.tensor([t * cells + l for t, l, _ in v]), minlength=cells**2).double()
+               for k, v in draws.items()}
+    for counts in offsets.values():  # uniform over the 81 offsets: chi2(80) 0.999-quantile is 124.8
+        assert chi_square(counts, torch.full_like(counts, n / cells**2)) < 124.8
+    pooled = (offsets["device"] + offsets["torch"]) / 2  # two-sample test, same quantile
+    assert chi_square(offsets["device"], pooled) + chi_square(offsets["torch"], pooled) < 124.8
+    for v in draws.values():  # flip frequency 1/2 within 4 standard errors
+        assert abs(sum(f for _, _, f in v) / n - 0.5) < 4 * math.sqrt(0.25 / n)
+    device, tv = images["device"].double(), images["torch"].double()  # per-pixel means within 5 standard errors
+    spread = (device.var(0) / n + tv.var(0) / n).sqrt()
+    assert ((device.mean(0) - tv.mean(0)).abs() <= 5 * spread + 1e-9).all()
+
+
+def test_loader_choice() -> None:
+    bundle = build_data(data_cfg())
+    files = dataclasses.replace(bundle, arrays=None)  # as a data set read from files
+    cuda = torch.device("cuda")
+    assert loader_kind(bundle, {"loader": "auto"}, cuda) == "device"
+    assert loader_kind(bundle, {"loader": "auto"}, CPU) == "torch"
+    assert loader_kind(files, {"loader": "auto"}, cuda) == "torch"
+    with pytest.raises(ConfigError, match="data.loader=device needs an in-memory data set"):
+        loader_kind(files, {"loader": "device", "name": "imagenet"}, cuda)
+    with pytest.raises(ConfigError, match="unknown data.loader 'gpu'"):
+        loader_kind(bundle, {"loader": "gpu"}, CPU)
+
+
+@pytest.mark.parametrize("amp", ["off", "fp16"])
+def test_resume_with_device_loader_is_bit_identical(tmp_path: Path, amp: str) -> None:
+    overrides = ["trainer.max_steps=10", "data.loader=device", f"trainer.amp={amp}", "optim.lr=0.02"]
+    run_inprocess(tmp_path / "reference", overrides)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_inprocess(tmp_path / "resumed", overrides, [CrashAt(7)])
+    newest = checkpoint.periodic_checkpoints(tmp_path / "resumed")[0]
+    assert bool(checkpoint.load(newest)["scaler"]) == (amp == "fp16")  # the GradScaler's state
+    summary = run_inprocess(tmp_path / "resumed", overrides)
+    assert summary["loader"] == "device" and summary["resumed_from"].endswith("step-000000006.pt")
+    assert_same_run(tmp_path / "reference", tmp_path / "resumed")
+
+
+# -- amp, channels_last, compile ---------------------------------------------------------------
+
+
+def tiny_resnet() -> nn.Module:
+    cfg = compose_cfg(TINY)
+    torch.manual_seed(0)
+    return build_model(cfg.model, cfg.norm, cfg.act.name, DataSpec(10, 3, SIZE))
+
+
+def forward_backward(net: Accelerated, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    out = net(x)
+    out.square().sum().backward()
+    return out.detach(), [p.grad for p in net.model.parameters()]
+
+
+def assert_grads_close(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    """Equal to 1e-5 relative to each gradient's norm (sums over the batch reorder with the layout)."""
+    for a, e in zip(actual, expected, strict=True):
+        assert (a - e).norm() <= 1e-5 * e.norm(), (a - e).abs().max()
+
+
+def test_channels_last_matches_default() -> None:
+    model = tiny_resnet()
+    plain, nhwc = Accelerated(model, CPU), Accelerated(copy.deepcopy(model), CPU, channels_last=True)
+    assert nhwc.model.stem.op.weight.is_contiguous(memory_format=torch.channels_last)
+    x = torch.randn(6, 3, SIZE, SIZE)
+    (ya, ga), (yb, gb) = forward_backward(plain, x), forward_backward(nhwc, x)
+    torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-5)
+    assert_grads_close(gb, ga)
+    plain.eval(), nhwc.eval()
+    torch.testing.assert_close(nhwc(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_model_matches_eager() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), CBN2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * SIZE * SIZE, 3))
+    eager, compiled = Accelerated(model, CPU), Accelerated(copy.deepcopy(model), CPU, compile=True)
+    assert compiled.model.state_dict().keys() == model.state_dict().keys()  # checkpoints see the plain module
+    for net in (eager, compiled):
+        set_learning_rate(net.model, 0.05)
+    for step in range(2):  # the second step runs on the AMAT statistics of the first
+        x = torch.randn(6, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(step))
+        (ya, ga), (yb, gb) = forward_backward(eager, x), forward_backward(compiled, x)
+        torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-5)
+        assert_grads_close(gb, ga)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(compiled.model.state_dict()[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_bf16_run_is_close_to_fp32(tmp_path: Path) -> None:
+    overrides = [*TINY, "optim.lr=0.02", "trainer.max_steps=8", "trainer.eval_every=4", "trainer.eval_unit=step"]
+    runs = {amp: train(compose_cfg([*overrides, f"trainer.amp={amp}"]), tmp_path / amp) for amp in ("off", "bf16")}
+    assert all(s["status"] == "completed" for s in runs.values())
+    for a, b in zip(read_metrics(tmp_path / "off" / "metrics.csv"), read_metrics(tmp_path / "bf16" / "metrics.csv")):
+        assert abs(float(a["train_loss"]) - float(b["train_loss"])) < 0.1
+
+
+def test_norm_statistics_are_float32_under_autocast() -> None:
+    x = torch.randn(8, 4, 5, 5).to(torch.bfloat16)
+    exact_var, exact_mean = torch.var_mean(x.float(), (0, 2, 3), correction=0)
+    norm = NormFamily2d(4, decouple=True, momentum=1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = norm(x)
+    assert y.dtype == torch.bfloat16 and norm.running_mean.dtype == torch.float32
+    torch.testing.assert_close(norm.running_mean, exact_mean, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(norm.running_var, exact_var * 200 / 199, rtol=1e-6, atol=1e-7)
+    conv = nn.Conv2d(4, 2, 1)
+    bnp = BNP(nn.Sequential(conv), rho=0.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        conv(x)
+    state = next(bnp.layers())
+    torch.testing.assert_close(state.mu, exact_mean, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(state.sigma2, exact_var, rtol=1e-6, atol=1e-7)
+
+
+def test_amp_setting() -> None:
+    assert amp_mode(False) == amp_mode("off") == "off" and amp_mode("bf16") == "bf16"
+    with pytest.raises(ConfigError, match="unknown trainer.amp 'fp8'"):
+        amp_mode("fp8")
+    assert OmegaConf.select(compose_cfg([]), "trainer.amp") == "off"

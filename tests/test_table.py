@@ -1,0 +1,79 @@
+"""``bnexp table``: the renderer on hand-made summary files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bnexp.report.layouts import CBN_ROW_LABELS, Axis, Layout
+from bnexp.report.results import load_summaries
+from bnexp.report.table import build, render
+from tests.conftest import run_cli
+
+LAYOUT = Layout(
+    "Test table",
+    rows=(Axis("tags.row", (1, 2), "Method", "row", CBN_ROW_LABELS),),
+    columns=(Axis("act.name", ("sigmoid", "tanh", "relu"), "Activation", "activation"),),
+    paper="cbn", table="1", tune="norm.rho", tuned_rows=frozenset({2}), improv=True, flags={"AMAT": {2: True}},
+)
+# (row, activation, rho, seed, status, top-1); seeds 0 and 1 are expected in every cell
+RUNS = [
+    (1, "sigmoid", 1.0, 0, "completed", 80.0), (1, "sigmoid", 1.0, 1, "completed", 81.0),
+    (1, "tanh", 1.0, 0, "completed", 87.0),  # seed 1 missing
+    (1, "relu", 1.0, 0, "completed", 90.0), (1, "relu", 1.0, 1, "diverged", None),
+    (2, "sigmoid", 1.0, 0, "completed", 85.0), (2, "sigmoid", 1.0, 1, "completed", 86.0),
+    (2, "sigmoid", 2.0, 0, "completed", 88.0), (2, "sigmoid", 2.0, 1, "completed", 89.0),
+    # row 2 tanh: nothing ran
+    (2, "relu", 1.0, 0, "completed", 91.0), (2, "relu", 1.0, 1, "failed", None),
+    (2, "relu", 2.0, 0, "completed", 90.0),  # rho 1 wins on the seed both completed
+]
+
+EXPECTED = """\
+Test table
+
+| Method          | AMAT   | Sigmoid                | Sigmoid paper   | Sigmoid Δ   | Tanh                 | Tanh paper   | Tanh Δ   | ReLU                      | ReLU paper   | ReLU Δ   |
+|:----------------|:-------|:-----------------------|:----------------|:------------|:---------------------|:-------------|:---------|:--------------------------|:-------------|:---------|
+| 1 BN (baseline) |        | 80.50 ± 0.71 (2)       | 78.97 ± 0.53    | +1.53       | 87.00 (1; 1 missing) | 87.59 ± 0.12 | -0.59    | 90.00 (1; 1 diverged)     | 91.13 ± 0.09 | -1.13    |
+| 2 CBN           | x      | 88.50 ± 0.71 (2) rho=2 | 91.20 ± 0.06    | -2.70       | – (0; 2 missing)     | 91.73 ± 0.07 |          | 91.00 (1; 1 failed) rho=1 | 91.98 ± 0.06 | -0.98    |
+| Improv.         |        | +8.00                  | +12.23          |             |                      | +4.14        |          | +1.00                     | +0.85        |          |
+
+cell: mean ± std (completed runs; diverged, failed and missing runs); paper: the published value; Δ: ours minus paper
+"""
+
+
+def write_runs(root: Path) -> None:
+    for i, (row, act, rho, seed, status, top1) in enumerate(RUNS):
+        run = root / f"run{i}"
+        run.mkdir(parents=True)
+        config = {"tags": {"row": row}, "act": {"name": act}, "norm": {"rho": rho}, "trainer": {"seed": seed}}
+        summary = {"status": status, "final_top1": top1, "config": config}
+        (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_markdown_counts_every_run(tmp_path: Path) -> None:
+    write_runs(tmp_path)
+    assert render(build(LAYOUT, load_summaries(tmp_path), expected=2), "markdown", "Test table") == EXPECTED
+
+
+def test_latex_and_csv(tmp_path: Path) -> None:
+    write_runs(tmp_path)
+    table = build(LAYOUT, load_summaries(tmp_path), expected=2)
+    latex = render(table, "latex", "Test table")
+    assert latex.startswith("\\begin{table}") and "\\toprule" in latex and "88.50 ± 0.71 (2) rho=2" in latex
+    csv = render(table, "csv", "Test table").splitlines()
+    assert csv[0].startswith("Method,AMAT,Sigmoid,Sigmoid paper") and len(csv) == 4
+
+
+def test_table_command_on_a_results_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_runs(tmp_path)
+    code, out = run_cli(["table", "cbn/table1", f"results={tmp_path}"], capsys)
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[0] == f"CBN Table 1: ResNet-20 on CIFAR-10, top-1 % ({tmp_path})"
+    rows = [line.split("|")[1].strip() for line in lines if line.startswith("| ")][1:]
+    assert rows == ["1 BN (baseline)", "2 CBN", "Improv.", "3", "Improv.", "4", "Improv.", "5", "Improv.",
+                    "6", "Improv.", "7", "Improv."]
+    assert "– (0; 10 missing)" in out and "90.00 (1; 1 diverged, 8 missing)" in out
+    assert run_cli(["table", "cbn/table9"], capsys)[0] == 2
