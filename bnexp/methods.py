@@ -17,7 +17,7 @@ from bnexp.callbacks import Callback, TrainState, callback_factory
 from bnexp.distributed import bnp_reducer
 from bnexp.nn import BNP, BatchRenorm, NormFamily
 from bnexp.runinfo import MetricsWriter
-from bnexp.scale_invariance import scale_invariant_weights
+from bnexp.scale_invariance import scale_invariant_weights, weight_norms
 
 
 class AmatLearningRate(Callback):
@@ -76,11 +76,9 @@ class WeightNormLog(Callback):
         self.writer = MetricsWriter(Path(state.run_dir) / "weights.csv", enabled=state.dist.is_main)
 
     def on_eval(self, state: TrainState, row: dict[str, Any]) -> None:
-        lr_w = state.optimizer.param_groups[1]["lr"]
-        for name, weight in self.weights:
-            sq = weight.detach().double().square().sum().item()
+        for name, norm, lr_w in weight_norms(self.weights, state.optimizer):
             self.writer.write({"step": state.step, "epoch": row["epoch"], "layer": name,
-                               "weight_norm": sq**0.5, "lr_w": lr_w, "effective_lr": lr_w / sq})
+                               "weight_norm": norm, "lr_w": lr_w, "effective_lr": lr_w / norm**2})
 
     def state_dict(self) -> dict[str, Any]:
         return {"rows": self.writer.rows}

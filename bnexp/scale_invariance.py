@@ -8,7 +8,9 @@ and the ``weights`` probe all take the list from :func:`scale_invariant_weights`
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from bnexp.models.layers import normalized_ops
 from bnexp.nn import is_scale_invariant
@@ -30,3 +32,11 @@ def parameter_groups(model: nn.Module, lr_g: float, lr_w: float) -> list[dict]:
     rest = [p for p in model.parameters() if id(p) not in invariant]
     chosen = [p for p in model.parameters() if id(p) in invariant]
     return [{"params": rest, "lr": lr_g, "name": "lr_g"}, {"params": chosen, "lr": lr_w, "name": "lr_w"}]
+
+
+def weight_norms(weights: list[tuple[str, nn.Parameter]], optimizer: Optimizer) -> list[tuple[str, float, float]]:
+    """``(name, ||w||, lr)`` for each weight, ``lr`` being that of the optimizer group holding it;
+    the effective learning rate of a scale-invariant weight is ``lr / ||w||^2``."""
+    lrs = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
+    squares = torch.stack([w.detach().double().square().sum() for _, w in weights]).tolist() if weights else []
+    return [(name, sq**0.5, lrs[id(w)]) for (name, w), sq in zip(weights, squares)]

@@ -177,3 +177,11 @@ def test_sweep_survives_failed_and_diverged_cells(tmp_path: Path, capsys: pytest
     assert by_lr == {"optim.lr=0.01": "completed", "optim.lr=1000000000000.0": "diverged", "optim.lr=-1": "failed"}
     assert "3 cells: 1 completed, 1 diverged, 1 failed" in out
     assert "optim.lr=-1 is not valid" in out and "failed: " in out
+
+    stamps = {p.parent.name: p.stat().st_mtime_ns for p in (tmp_path / "sweep").glob("*/summary.json")}
+    code, out = run_cli(args, capsys)  # the re-run trains only the failed cell again
+    assert code == 0, out
+    changed = {p.parent.name for p in (tmp_path / "sweep").glob("*/summary.json")
+               if p.stat().st_mtime_ns != stamps[p.parent.name]}
+    assert changed == {name for name, status in statuses.items() if status == "failed"}
+    assert "3 cells: 0 completed, 0 diverged, 1 failed, 2 skipped" in out

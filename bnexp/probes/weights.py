@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from bnexp.callbacks import TrainState
 from bnexp.probes.callback import FixedWeightProbe, register_probe
-from bnexp.scale_invariance import scale_invariant_weights
+from bnexp.scale_invariance import scale_invariant_weights, weight_norms
 
 log = logging.getLogger("bnexp.probes")
 
@@ -34,8 +32,6 @@ class Weights(FixedWeightProbe):
     def measure(self, state: TrainState, step: int) -> None:
         if not self.weights:
             return
-        lrs = {id(p): group["lr"] for group in state.optimizer.param_groups for p in group["params"]}
-        squares = torch.stack([w.detach().double().square().sum() for _, w in self.weights]).tolist()
-        for (name, w), square in zip(self.weights, squares):
-            self.emit(step, name, "norm", square**0.5)
-            self.emit(step, name, "effective_lr", lrs[id(w)] / square)
+        for name, norm, lr in weight_norms(self.weights, state.optimizer):
+            self.emit(step, name, "norm", norm)
+            self.emit(step, name, "effective_lr", lr / norm**2)

@@ -207,8 +207,13 @@ def estimate(p: Plan) -> str:
     return f"{len(p.jobs)} runs, about {seconds / 3600:,.0f} GPU-hours (rough: one current GPU per run)"
 
 
+# A run that ended with one of these is a result: re-running its command skips it. Failed,
+# preempted and interrupted runs run again (resuming from their checkpoints).
+FINISHED = ("completed", "diverged")
+
+
 def skip_reason(cfg: DictConfig, run_dir: Path) -> str | None:
-    """Why a sweep job should not train: N/A in the paper, or already completed."""
+    """Why a job should not train: N/A in the paper, or already completed or diverged."""
     if lr_not_applicable(cfg):
         return "the paper lists no learning rate for this cell (N/A)"
     summary = run_dir / "summary.json"
@@ -218,7 +223,9 @@ def skip_reason(cfg: DictConfig, run_dir: Path) -> str | None:
         status = json.loads(summary.read_text()).get("status")
     except (OSError, ValueError):
         return None
-    return "already completed (trainer.resume=never runs it again)" if status == "completed" else None
+    if status in FINISHED:
+        return f"already {status} (trainer.resume=never runs it again)"
+    return None
 
 
 def parse_command(args: Sequence[str], usage: str, defaults: dict[str, str]) -> tuple[str, dict[str, str], list[str]]:
