@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from bnexp.commands import report
 from bnexp.config import config_dir, register_resolvers
 from bnexp.errors import EXIT_CONFIG, EXIT_FAILED, BnexpError
 from bnexp.distributed import from_environment
@@ -38,11 +39,6 @@ commands:
   hessian    Hessian condition numbers in training (BNP Fig. 8): bnexp hessian [norms=[none,bnp]] [out=DIR]
 
 Run `bnexp train --help` for the config groups and their options."""
-
-
-def report(message: str) -> None:
-    """Print one error paragraph to stderr."""
-    print(f"bnexp: error: {message}", file=sys.stderr, flush=True)
 
 
 def _train_task(cfg: DictConfig) -> float | str | None:

@@ -14,7 +14,9 @@ import importlib
 import sys
 from types import ModuleType
 
-from bnexp.bench.common import device_of, finish, parse
+import torch
+
+from bnexp.bench.common import RECOMPILE_LIMIT, device_of, finish, parse
 from bnexp.errors import BnexpError, ConfigError, unknown_choice
 
 SUBCOMMANDS = ("norms", "step", "data", "run")
@@ -35,7 +37,10 @@ def command(args: list[str]) -> None:
             raise ConfigError(f"usage: bnexp bench <{'|'.join(SUBCOMMANDS)}> [key=value ...]")
         module = subcommand(args[0])
         options, overrides = parse(args[1:], module.DEFAULTS, args[0] in ACCEPTS_OVERRIDES)
-        records = module.bench(options, overrides)
+        if options.get("threads"):
+            torch.set_num_threads(options["threads"])
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            records = module.bench(options, overrides)
         finish(records, options["out"], module.COLUMNS, device_of(options))
     except BnexpError as err:
         print(f"bnexp: error: {err}", file=sys.stderr)

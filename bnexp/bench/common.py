@@ -31,7 +31,11 @@ from bnexp.runinfo import atomic_write, resolve_device
 
 MODES = ("eager", "compiled")
 # Options every subcommand takes, with their defaults; each subcommand adds its own.
-COMMON: dict[str, Any] = {"reps": 5, "warmup": 3, "device": "auto"}
+# threads: intra-op CPU threads (0 keeps torch's default; 1 is steadier on a shared machine).
+COMMON: dict[str, Any] = {"reps": 5, "warmup": 3, "device": "auto", "threads": 0}
+# Every compiled case is its own module object, and torch.compile caches per object, so a
+# benchmark needs more cache entries per function than torch's default limit of 8.
+RECOMPILE_LIMIT = 256
 
 Record = dict[str, Any]
 

@@ -26,8 +26,8 @@ from bnexp.bench.common import Record, compose_train, device_of, record
 from bnexp.errors import BnexpError, ConfigError
 from bnexp.trainer import train
 
-DEFAULTS: dict[str, Any] = {"reps": 3, "device": "auto", "target_epochs": 120, "target_seconds": 120.0, "jobs": 1,
-                            "out": "results/bench/run.json"}
+DEFAULTS: dict[str, Any] = {"reps": 3, "device": "auto", "threads": 0, "target_epochs": 120, "target_seconds": 120.0,
+                            "jobs": 1, "out": "results/bench/run.json"}
 COLUMNS = ("name", "mode", "seconds_median", "seconds_iqr", "epoch_seconds", "extrapolated_seconds", "baseline",
            "ratio")
 RUN_OVERRIDES = ("trainer.epochs=2", "trainer.max_steps=null", "trainer.eval_every=1", "trainer.eval_unit=epoch",

@@ -13,7 +13,6 @@ from bnexp.data.imagenet import load_imagenet
 from bnexp.data.mnist import load_mnist
 from bnexp.data.npz import load_npz
 from bnexp.data.synthetic import make_synthetic
-from bnexp.errors import unknown_choice
 from bnexp.models import DataSpec
 from bnexp.registry import Registry
 

@@ -4,14 +4,14 @@ config from overrides, train it in a run directory of the study, reuse a finishe
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
-from bnexp.errors import BnexpError, ConfigError
+from bnexp.commands import exit_on_error, split_options
+from bnexp.errors import ConfigError
 from bnexp.report.presets import hydra_session
 
 T = TypeVar("T")
@@ -53,25 +53,12 @@ def run_or_reuse(cfg: DictConfig, run_dir: Path) -> tuple[dict[str, Any], bool]:
     return train(cfg, run_dir), False
 
 
-def split_options(args: Sequence[str], defaults: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """``key=value`` arguments -> (the command's options over ``defaults``, Hydra overrides)."""
-    options, overrides = dict(defaults), []
-    for arg in args:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            raise ConfigError(f"expected key=value, got {arg!r}")
-        if key in defaults:
-            options[key] = value
-        else:
-            overrides.append(arg)
-    return options, overrides
-
-
 def run_command(main: Callable[[dict[str, str], list[str]], None], args: list[str], defaults: dict[str, str]) -> None:
-    """Split the arguments (:func:`split_options`), run ``main(options, overrides)``, and
-    end with bnexp's exit code on a user error."""
-    try:
-        main(*split_options(args, defaults))
-    except BnexpError as err:
-        print(f"bnexp: error: {err}", file=sys.stderr)
-        sys.exit(err.exit_code)
+    """Split the arguments, run ``main(options, overrides)`` with the options over their
+    defaults, and end with bnexp's exit code on a user error."""
+
+    def body() -> None:
+        given, overrides = split_options(args, defaults)
+        main({**defaults, **given}, overrides)
+
+    exit_on_error(body)

@@ -18,7 +18,8 @@ import pandas as pd  # noqa: E402
 
 from bnexp.errors import ConfigError, unknown_choice  # noqa: E402
 from bnexp.report.layouts import LAYOUTS, Layout  # noqa: E402
-from bnexp.report.presets import exit_on_error, parse_command, plan  # noqa: E402
+from bnexp.commands import exit_on_error
+from bnexp.report.presets import parse_command, plan  # noqa: E402
 from bnexp.report.results import load_metrics, load_summaries  # noqa: E402
 from bnexp.report.table import choose, combos, same, select  # noqa: E402
 

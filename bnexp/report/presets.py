@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import yaml
 from hydra import compose, initialize_config_dir
@@ -25,7 +24,8 @@ from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 
 from bnexp.config import config_dir, register_resolvers
-from bnexp.errors import BnexpError, ConfigError, unknown_choice
+from bnexp.commands import split_options
+from bnexp.errors import ConfigError, unknown_choice
 from bnexp.report.reference import register_resolver
 
 SEED = "trainer.seed"
@@ -232,25 +232,8 @@ def parse_command(args: Sequence[str], usage: str, defaults: dict[str, str]) -> 
     """``<paper>/<name> key=value ...`` -> (preset, this command's options, Hydra overrides)."""
     if not args or "=" in args[0]:
         raise ConfigError(f"usage: {usage}; presets: {', '.join(preset_names())}")
-    options, overrides = dict(defaults), []
-    for arg in args[1:]:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            raise ConfigError(f"expected key=value, got {arg!r}")
-        if key in defaults:
-            options[key] = value
-        else:
-            overrides.append(arg)
-    return args[0], options, overrides
-
-
-def exit_on_error(body: Callable[[], None]) -> None:
-    """Run a command; a BnexpError ends it with its one-paragraph message and exit code."""
-    try:
-        body()
-    except BnexpError as err:
-        print(f"bnexp: error: {err}", file=sys.stderr)
-        sys.exit(err.exit_code)
+    given, overrides = split_options(args[1:], defaults)
+    return args[0], {**defaults, **given}, overrides
 
 
 def spread_over_gpus(job_num: int) -> None:

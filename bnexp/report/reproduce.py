@@ -14,7 +14,8 @@ import sys
 from typing import Sequence
 
 from bnexp.errors import EXIT_CONFIG, ConfigError
-from bnexp.report.presets import SEED, Plan, estimate, exit_on_error, expand, hydra_session, job_value, parse_command
+from bnexp.commands import exit_on_error
+from bnexp.report.presets import SEED, Plan, estimate, expand, hydra_session, job_value, parse_command
 from bnexp.report.presets import plan, preset_overrides, sweep_arguments
 from bnexp.report.results import load_summaries
 from bnexp.report.table import best_choice, select, table_text

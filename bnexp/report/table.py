@@ -17,7 +17,8 @@ import pandas as pd
 
 from bnexp.errors import unknown_choice
 from bnexp.report.layouts import LAYOUTS, METRIC_LABELS, METRICS, Layout
-from bnexp.report.presets import exit_on_error, parse_command, plan
+from bnexp.commands import exit_on_error
+from bnexp.report.presets import parse_command, plan
 from bnexp.report.reference import published
 from bnexp.report.results import first_train_loss, load_summaries, seconds_per_epoch
 
