@@ -210,6 +210,8 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
     distributed.init_process_group(d, device)
     batch_size = distributed.split_batch(cfg.trainer.batch_size, d)
     bundle = build_data(cfg.data)
+    if bundle.skipped_images:  # data.check_images=true data.bad_images=skip
+        summary["skipped_images"] = len(bundle.skipped_images)
     loaders = build_loaders(bundle, cfg.data, batch_size, cfg.trainer.seed, device.type == "cuda", device,
                             rank=d.rank, world_size=d.world_size)
     model = build_model(cfg.model, cfg.norm, cfg.act.name, bundle.spec).to(device)

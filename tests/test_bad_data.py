@@ -10,7 +10,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from bnexp.data import build_data
-from bnexp.errors import DataError
+from bnexp.errors import ConfigError, DataError
 from tests.conftest import read_summary, run_cli, run_dir_of, write_cifar10
 from tests.test_data_sets import imagenet_cfg, mnist_cfg, npz_arrays, write_idx, write_image_folders, write_mnist
 
@@ -92,21 +92,23 @@ def test_mnist_label_out_of_range(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- npz
 
 
-def with_nan(x: np.ndarray) -> np.ndarray:
+def with_value(x: np.ndarray, value: float) -> np.ndarray:
+    """``x`` as float32 with one entry set to ``value``."""
     x = x.astype(np.float32)
-    x[0, 0, 0] = np.nan
+    x.flat[5] = value
     return x
 
 
 @pytest.mark.parametrize(
     ("change", "extra", "message"),
     [
-        (lambda a: a.update(x_train=with_nan(a["x_train"])), {}, "x_train contains NaN; expected uint8 images"),
-        (lambda a: a.update(x_test=a["x_test"] * np.float32(np.inf)), {}, "x_test contains infinity"),
+        (lambda a: a.update(x_train=with_value(a["x_train"], np.nan)), {}, "x_train contains NaN; expected uint8"),
+        (lambda a: a.update(x_test=with_value(a["x_test"], np.inf)), {}, "x_test contains infinity"),
         (lambda a: a.update(y_test=np.array([0.0, 1.0, np.nan, 2.0])), {}, "y_test contains NaN; expected integer"),
         (lambda a: a.update(y_test=np.array([0.5, 1, 2, 3])), {}, "y_test has dtype float64; expected integer"),
         (lambda a: a["y_train"].__setitem__(3, -2), {}, "y_train holds the label -2; expected class labels from 0"),
-        (lambda a: None, {"num_classes": 4}, "y_test holds the label 4 but data.num_classes=4; expected labels 0..3"),
+        (lambda a: a["y_test"].__setitem__(0, 7), {"num_classes": 5},
+         "y_test holds the label 7 but data.num_classes=5; expected labels 0..4"),
     ],
 )
 def test_npz_bad_values_name_the_key(tmp_path: Path, change, extra: dict, message: str) -> None:
@@ -130,11 +132,20 @@ def bad_jpeg(tmp_path: Path) -> Path:
     return path
 
 
+def data_error(loader: DataLoader) -> str:
+    """The message of the DataError that iterating ``loader`` raises. Keeping only the message
+    frees the loader's workers at once (a kept traceback makes their shutdown wait 5 s)."""
+    try:
+        list(loader)
+    except DataError as err:
+        return str(err)
+    pytest.fail("no DataError")
+
+
 def test_unreadable_image_fails_in_a_worker(bad_jpeg: Path) -> None:
     bundle = build_data(imagenet_cfg(bad_jpeg.parents[2]))
-    with pytest.raises(DataError) as err:
-        list(DataLoader(bundle.train, batch_size=6, num_workers=2))
-    message = str(err.value)  # the worker's traceback is dropped, its message kept
+    message = data_error(DataLoader(bundle.train, batch_size=6, num_workers=2))
+    # torch re-raises the worker's error with its traceback; only the message is kept
     assert message.startswith(f"unreadable image {bad_jpeg}: UnidentifiedImageError") and "Traceback" not in message
     assert "data.bad_images=skip" in message
 
@@ -145,6 +156,11 @@ def test_unreadable_image_skipped(bad_jpeg: Path, caplog: pytest.LogCaptureFixtu
     assert len(images) == 6 and bundle.skipped_images == ()
     assert (images[1] == images[2]).all()  # the next readable image stands in for it
     assert f"unreadable image {bad_jpeg}" in caplog.text and "serving the next readable image" in caplog.text
+
+
+def test_bad_images_is_checked(bad_jpeg: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown data.bad_images 'ignore'; valid choices: fail, skip"):
+        build_data(imagenet_cfg(bad_jpeg.parents[2], bad_images="ignore"))
 
 
 def test_check_images_lists_unreadable_ones(bad_jpeg: Path) -> None:
@@ -178,5 +194,6 @@ def test_cli_names_the_unreadable_image(bad_jpeg: Path, tmp_path: Path, capsys: 
 def test_cli_trains_past_skipped_images(bad_jpeg: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out = run_cli(imagenet_args(tmp_path, "data.bad_images=skip", "data.check_images=true"), capsys)
     assert code == 0, out
-    assert read_summary(tmp_path / "run")["status"] == "completed"
+    summary = read_summary(tmp_path / "run")
+    assert summary["status"] == "completed" and summary["skipped_images"] == 1
     assert f"left out 1 of 6 images under {tmp_path / 'imagenet' / 'train'}" in out

@@ -16,6 +16,7 @@ from bnexp.data.synthetic import make_synthetic
 from bnexp.models import DataSpec
 from bnexp.registry import Registry
 
+
 @dataclass
 class DataBundle:
     """A data set ready for training: its splits, its shape, the raw arrays if any, and the

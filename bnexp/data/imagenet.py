@@ -73,6 +73,8 @@ class CheckedImages(Dataset):
         return len(self.samples)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= index < len(self):  # ends iteration; the search below wraps around
+            raise IndexError(f"index {index} is out of range for {len(self)} images")
         for step in range(len(self)):
             i = (index + step) % len(self)
             if i in self.unreadable:
