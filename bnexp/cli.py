@@ -18,7 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from bnexp.commands import report
-from bnexp.config import config_dir, register_resolvers
+from bnexp.config import config_dir, register_resolvers, validate
 from bnexp.errors import EXIT_CONFIG, EXIT_FAILED, BnexpError
 from bnexp.distributed import from_environment
 from bnexp.launch import rank_overrides
@@ -57,9 +57,10 @@ def _train_task(cfg: DictConfig) -> float | str | None:
         return "skipped"  # counted as such by the end-of-sweep report
     if sweeping:
         spread_over_gpus(hydra_cfg.job.num)
-    if int(cfg.trainer.nproc) > 1 and not from_environment().enabled:
-        return _launch_processes(int(cfg.trainer.nproc), list(hydra_cfg.overrides.task), run_dir, sweeping)
     try:
+        if int(cfg.trainer.nproc) > 1 and not from_environment().enabled:
+            validate(cfg)  # before starting processes that would all fail the same way
+            return _launch_processes(int(cfg.trainer.nproc), list(hydra_cfg.overrides.task), run_dir, sweeping)
         summary = train(cfg, run_dir)
     except Preempted as err:  # stops a sweep too: the whole job is being preempted
         report(f"{err}; re-run the same command to resume {run_dir}")

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bnexp.distributed import Dist, split_batch
+from bnexp.errors import ConfigError
 from bnexp.trainer import train
 from tests.conftest import TINY, compose_cfg, read_summary, run_cli
 
@@ -85,8 +87,14 @@ def test_cli_nproc_launch_writes_one_directory(tmp_path: Path, capsys: pytest.Ca
 
 
 def test_batch_not_divisible(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    run_dir = tmp_path / "run"
-    code, _ = run_cli(["train", *BASE, "trainer.batch_size=15", "trainer.nproc=2", f"hydra.run.dir={run_dir}"],
-                      capsys)
-    assert code != 0
-    assert "not divisible by the 2 processes" in read_summary(run_dir)["error"]
+    code, out = run_cli(["train", *BASE, "trainer.batch_size=15", "trainer.nproc=2", f"hydra.run.dir={tmp_path}"],
+                        capsys)
+    assert code == 2
+    assert "trainer.batch_size=15 is not divisible by the 2 processes" in out
+
+
+def test_split_batch_under_torchrun() -> None:
+    """A process started by torchrun directly (trainer.nproc left at 1) checks the split too."""
+    assert split_batch(256, Dist(0, 8, 0)) == 32
+    with pytest.raises(ConfigError, match="not divisible by the 3 processes"):
+        split_batch(256, Dist(1, 3, 1))

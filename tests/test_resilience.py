@@ -70,7 +70,7 @@ def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, min_step: int, ti
 def test_sigkill_then_rerun_is_bit_identical(tmp_path: Path) -> None:
     steps = 60
     reference = tmp_path / "reference"
-    subprocess.run(cli_command(reference, steps), check=True, capture_output=True)
+    run_inprocess(reference, [f"trainer.max_steps={steps}", "data.train_size=256"])  # same run, one process
     killed = tmp_path / "killed"
     proc = subprocess.Popen(cli_command(killed, steps), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_checkpoint(killed, proc, random.Random().randrange(2, steps - 10, 2))
