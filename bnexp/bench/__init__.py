@@ -11,13 +11,13 @@ the baseline's; below 1 is faster), plus ``env`` (date, machine, versions). Opti
 from __future__ import annotations
 
 import importlib
-import sys
 from types import ModuleType
 
 import torch
 
 from bnexp.bench.common import RECOMPILE_LIMIT, device_of, finish, parse
-from bnexp.errors import BnexpError, ConfigError, unknown_choice
+from bnexp.commands import exit_on_error
+from bnexp.errors import ConfigError, unknown_choice
 
 SUBCOMMANDS = ("norms", "step", "data", "run")
 ACCEPTS_OVERRIDES = ("step", "data", "run")  # subcommands whose other key=value args are Hydra overrides
@@ -30,18 +30,19 @@ def subcommand(name: str) -> ModuleType:
     return importlib.import_module(f"bnexp.bench.{name}")
 
 
+def execute(args: list[str]) -> None:
+    """Parse, measure, print and write one subcommand's records (not named ``run``: that is a submodule)."""
+    if not args or "=" in args[0]:
+        raise ConfigError(f"usage: bnexp bench <{'|'.join(SUBCOMMANDS)}> [key=value ...]")
+    module = subcommand(args[0])
+    options, overrides = parse(args[1:], module.DEFAULTS, args[0] in ACCEPTS_OVERRIDES)
+    if options.get("threads"):
+        torch.set_num_threads(options["threads"])
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        records = module.bench(options, overrides)
+    finish(records, options["out"], module.COLUMNS, device_of(options))
+
+
 def command(args: list[str]) -> None:
     """``bnexp bench <subcommand> [key=value ...]``."""
-    try:
-        if not args or "=" in args[0]:
-            raise ConfigError(f"usage: bnexp bench <{'|'.join(SUBCOMMANDS)}> [key=value ...]")
-        module = subcommand(args[0])
-        options, overrides = parse(args[1:], module.DEFAULTS, args[0] in ACCEPTS_OVERRIDES)
-        if options.get("threads"):
-            torch.set_num_threads(options["threads"])
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            records = module.bench(options, overrides)
-        finish(records, options["out"], module.COLUMNS, device_of(options))
-    except BnexpError as err:
-        print(f"bnexp: error: {err}", file=sys.stderr)
-        sys.exit(err.exit_code)
+    exit_on_error(lambda: execute(args))

@@ -3,8 +3,9 @@
 Timing runs each case ``number`` times back to back between two device synchronizations
 and divides; that block is repeated ``reps`` times after ``warmup`` untimed calls (which
 absorb compilation, autotuning and lazy initialization). The blocks of the cases that are
-compared are interleaved, so a noisy spell on a shared machine slows them all alike; a
-ratio is the median over repetitions of the per-repetition ratio.
+compared are interleaved (unless a case keeps working in the background), so a noisy
+spell on a shared machine slows them all alike; a ratio is the median over repetitions
+of the per-repetition ratio.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
+from bnexp.commands import split_options
 from bnexp.config import config_dir, register_resolvers
 from bnexp.errors import ConfigError
 from bnexp.runinfo import atomic_write, resolve_device
@@ -46,17 +48,10 @@ def parse(args: Sequence[str], defaults: Mapping[str, Any],
 
     Keys that are not options are Hydra overrides, accepted only where ``overrides_ok``.
     """
-    options, overrides = dict(defaults), []
-    for arg in args:
-        key, sep, text = arg.partition("=")
-        if not sep:
-            raise ConfigError(f"expected key=value, got {arg!r}")
-        if key in defaults:
-            options[key] = typed(key, text, defaults[key])
-        elif overrides_ok:
-            overrides.append(arg)
-        else:
-            raise ConfigError(f"unknown option {key!r}; options: {', '.join(defaults)}")
+    given, overrides = split_options(args, defaults)
+    if overrides and not overrides_ok:
+        raise ConfigError(f"unknown option {overrides[0].partition('=')[0]!r}; options: {', '.join(defaults)}")
+    options = {**defaults, **{key: typed(key, text, defaults[key]) for key, text in given.items()}}
     bad = [m for m in options.get("modes", ()) if m not in MODES]
     if bad:
         raise ConfigError(f"unknown mode {bad[0]!r}; valid modes: {', '.join(MODES)}")
@@ -105,17 +100,22 @@ def seconds_per_call(fn: Callable[[], Any], number: int, device: torch.device) -
     return (time.perf_counter() - start) / number
 
 
-def measure(cases: Mapping[str, Callable[[], Any]], reps: int, number: int, warmup: int,
-            device: torch.device) -> dict[str, list[float]]:
-    """Seconds per call of every case, ``reps`` interleaved blocks each, after ``warmup`` calls."""
+def measure(cases: Mapping[str, Callable[[], Any]], reps: int, number: int, warmup: int, device: torch.device,
+            interleave: bool = True) -> dict[str, list[float]]:
+    """Seconds per call of every case, ``reps`` blocks each, after ``warmup`` calls.
+
+    ``interleave=False`` times all blocks of one case before the next case (for cases
+    that leave work running in the background, such as DataLoader workers).
+    """
     for fn in cases.values():
         for _ in range(warmup):
             fn()
     synchronize(device)
+    items = list(cases.items())
+    order = [item for _ in range(reps) for item in items] if interleave else [i for i in items for _ in range(reps)]
     times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(reps):
-        for name, fn in cases.items():
-            times[name].append(seconds_per_call(fn, number, device))
+    for name, fn in order:
+        times[name].append(seconds_per_call(fn, number, device))
     return times
 
 

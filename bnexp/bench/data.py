@@ -44,7 +44,9 @@ def bench(options: Mapping[str, Any], overrides: Sequence[str]) -> list[Record]:
         data_cfg = OmegaConf.merge(cfg.data, {"loader": kind})
         loaders = build_loaders(bundle, data_cfg, options["batch"], 0, device.type == "cuda", device)
         cases[kind] = next_batch(loaders.epochs_from(0), device)
-    times = measure(cases, options["reps"], options["number"], options["warmup"], device)
+    # Not interleaved: DataLoader workers would keep prefetching while the device path is
+    # timed. Timed after them, the device path finds them idle with a full queue.
+    times = measure(cases, options["reps"], options["number"], options["warmup"], device, interleave=False)
     records = []
     for kind, seconds in times.items():
         r = record(kind, "eager", device, seconds, BASELINE, times[BASELINE], batch=options["batch"],

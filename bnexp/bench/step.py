@@ -37,7 +37,7 @@ DEFAULTS: dict[str, Any] = {**COMMON, "modes": MODES, "number": 5, "models": tup
                             "batch": 0, "image_size": 0, "out": "results/bench/step.json"}
 COLUMNS = ("model", "name", "mode", "baseline", "seconds_median", "seconds_iqr", "ratio", "ratio_iqr")
 # A small learning rate keeps random-label steps finite (NaNs would distort the timings).
-STEP_OVERRIDES = ("optim.lr=0.001", "trainer.resume=never")
+STEP_OVERRIDES = ("optim.lr=0.001",)
 
 
 def step_case(cfg: DictConfig, spec: DataSpec, batch: int, device: torch.device, run_dir: Path) -> Callable[[], None]:
