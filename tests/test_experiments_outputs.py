@@ -33,7 +33,6 @@ def test_plot_writes_png_and_pdf(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_tensorboard_logger_writes_events(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("tensorboard")
     code, out = run_cli(["train", *TINY, "logger=tensorboard", *run_dir_of(tmp_path)], capsys)
     assert code == 0, out
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
