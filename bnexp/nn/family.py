@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from bnexp.nn._base import FEATURES, IMAGES, ChannelNorm, affine, check_fraction
+from bnexp.nn._fused import scaled_norm
 
 AMAT_OMEGA = 10.0  # CBN's omega: eta_k = max(1 - omega * lr_k, 0)
 AMAT_MEAN_GUARD = 1e-6  # |mu_B| below this: r_mu = 1 (no ratio through a vanishing mean)
@@ -108,9 +109,22 @@ class NormFamily(ChannelNorm):
         n = x.numel() // self.num_features
         if n < 2:
             raise ValueError(f"{type(self).__name__} needs more than 1 value per channel in training, got {n}")
+        if self._fused():
+            with torch.no_grad():
+                var, mean = self.batch_var_mean(x)
+            self._track(mean, var, n)
+            one = mean.new_ones(())
+            k = one if self.center else mean.new_zeros(())
+            return scaled_norm(x, self.weight, self.bias, mean, var, k, one, self.rho, self.eps, self.decouple)
         var, mean = self.batch_var_mean(x)
         self._track(mean, var, n)
         return self._from_stats(x, mean, var)
+
+    def _fused(self) -> bool:
+        """Whether the training forward can use the closed-form backward of
+        :func:`bnexp.nn._fused.scaled_norm`: it divides, its statistics are this process's,
+        and its eps is a constant (``bn_si`` and ``norm.sync`` keep autograd's backward)."""
+        return self.scale and not self.sync and isinstance(self._variance_eps(), float)
 
     # -- the formula, shared by every mode --------------------------------------------------
 
@@ -164,8 +178,17 @@ class NormFamily(ChannelNorm):
                 f"{type(self).__name__} uses adaptive AMAT (eta = max(1 - 10 lr, 0)) but no learning "
                 "rate was given: call bnexp.nn.set_learning_rate(model, lr) before each training step"
             )
-        var, mean = self.batch_var_mean(x)
         first = self.amat_steps == 0  # the first step runs on batch statistics and copies them
+        if self._fused():
+            with torch.no_grad():
+                var, mean = self.batch_var_mean(x)
+                r_mu = torch.where(first | (mean.abs() < AMAT_MEAN_GUARD), 1.0, self.amat_mean / mean)
+                sigma = self._sigma(var, self._with_beta(mean - r_mu * mean))  # sigma_B
+                r_sigma = torch.where(first, 1.0, self.amat_var.sqrt() / sigma)
+            y = scaled_norm(x, self.weight, self.bias, mean, var, r_mu, r_sigma, self.rho, self.eps, self.decouple)
+            self._amat_update(first, mean, sigma)
+            return y
+        var, mean = self.batch_var_mean(x)
         with torch.no_grad():
             r_mu = torch.where(first | (mean.abs() < AMAT_MEAN_GUARD), 1.0, self.amat_mean / mean)
         sub = r_mu * mean  # value mu_A, gradient through mu_B

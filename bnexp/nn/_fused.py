@@ -1,0 +1,67 @@
+"""One autograd function for the scaled members of the family: a closed-form backward.
+
+Every training forward that divides (BN, POP-Norm, CBN, the ablation rows, AMAT) has the
+form ``y = g * z / (q * s) (+ beta when coupled)`` per channel, with
+
+    z = x - k * mu_B + (beta when decoupled),   s = sqrt(mean(z^2) + eps),   g = gamma / rho,
+
+where ``k`` is 1 (centered), 0 (not centered) or AMAT's ratio ``mu_A / mu_B``, and ``q`` is
+1 or AMAT's ratio ``sigma_A / sigma_B``; both ratios are constants for autograd. Autograd
+through the dozen small ops of that formula costs several passes over the activations in
+the backward; the closed form below needs two per-channel sums and one elementwise pass:
+
+    dL/dz = a * G - (a * sum(G z) / (n s^2)) * z,     a = g / (q s)
+    dL/dx = dL/dz - (k / n) * sum(dL/dz)
+    dL/dbeta = sum(dL/dz) (decoupled) or sum(G) (coupled),   dL/dgamma = sum(G z) / (rho q s)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from bnexp.nn._base import channel_dims, per_channel
+
+
+class _ScaledNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, var: Tensor, k: Tensor,
+                q: Tensor, rho: float, eps: float, decouple: bool) -> Tensor:
+        shift = -k * mean + (bias if decouple else 0.0)  # z = x + shift
+        z_mean = mean + shift
+        s = (var + z_mean.square() + eps).sqrt()
+        a = weight / (rho * q * s)
+        b = a * shift + (0.0 if decouple else bias)
+        ctx.save_for_backward(x, weight, shift, z_mean, s, a, k, q)
+        ctx.rho, ctx.decouple = rho, decouple
+        return torch.addcmul(per_channel(b, x).to(x.dtype), x, per_channel(a, x).to(x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        x, weight, shift, z_mean, s, a, k, q = ctx.saved_tensors
+        dims = channel_dims(x)
+        n = x.numel() // x.shape[1]
+        acc = a.dtype
+        sum_g = grad.sum(dims, dtype=acc)
+        sum_gz = (grad * x).sum(dims, dtype=acc) + shift * sum_g  # sum(G z) with z = x + shift
+        c = a * sum_gz / (n * s.square())  # dL/dz = a G - c z
+        sum_dz = a * sum_g - c * n * z_mean  # sum over the channel of dL/dz
+        # dL/dx = a G - c x + (-c * shift - k * sum_dz / n): one fused elementwise pass.
+        const = -c * shift - k * sum_dz / n
+        grad_x = torch.addcmul(per_channel(const, x).to(x.dtype), grad, per_channel(a, x).to(x.dtype))
+        grad_x = torch.addcmul(grad_x, x, per_channel(-c, x).to(x.dtype))
+        grad_weight = sum_gz / (ctx.rho * q * s)
+        grad_bias = sum_dz if ctx.decouple else sum_g
+        return grad_x, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype), None, None, None, None, None, None, None
+
+
+def scaled_norm(x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, var: Tensor, k: Tensor, q: Tensor,
+                rho: float, eps: float, decouple: bool) -> Tensor:
+    """``gamma / rho * z / (q * s)`` (``+ beta`` when coupled) with the closed-form backward.
+
+    ``mean`` and ``var`` are the batch statistics of ``x`` (biased variance), passed in
+    detached: the backward accounts for their dependence on ``x`` itself.
+    """
+    return _ScaledNorm.apply(x, weight, bias, mean.detach(), var.detach(), k, q, rho, eps, decouple)
