@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from bnexp.nn import CBN1d, CBN2d, NormFamily1d, NormFamily2d, POPNorm1d, POPNorm2d
+from tests.nn_helpers import assert_same_training_steps
 
 DT = torch.float64
 EPS = 1e-5
@@ -105,17 +106,7 @@ def test_bn_flags_equal_torch_batchnorm(dim):
     ours = make(dim)
     theirs = (nn.BatchNorm1d(3) if dim == 1 else nn.BatchNorm2d(3)).to(DT)
     theirs.load_state_dict(ours.state_dict())  # same gamma/beta and buffer names
-    for step in range(3):
-        x1 = batch(dim, step).requires_grad_()
-        x2 = x1.detach().clone().requires_grad_()
-        up = torch.randn(x1.shape, generator=torch.Generator().manual_seed(10 + step), dtype=DT)
-        y1, y2 = ours(x1), theirs(x2)
-        (y1 * up).sum().backward()
-        (y2 * up).sum().backward()
-        torch.testing.assert_close(y1, y2, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(ours.bias.grad, theirs.bias.grad, rtol=1e-6, atol=1e-6)
+    assert_same_training_steps(ours, theirs, lambda step: batch(dim, step), seed=10, rtol=1e-6, atol=1e-6)
     for name, value in theirs.state_dict().items():
         torch.testing.assert_close(ours.state_dict()[name], value, rtol=1e-6, atol=1e-6)
     ours.eval()

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from bnexp.nn import (
-    CBN2d,
     BatchRenorm1d,
     BatchRenorm2d,
+    CBN2d,
     NormFamily2d,
     POPNorm2d,
     ScaleInvariantBN1d,
@@ -20,6 +20,7 @@ from bnexp.nn import (
     is_scale_invariant,
     set_learning_rate,
 )
+from tests.nn_helpers import assert_same_training_steps
 
 DT = torch.float64
 EPS = 1e-5
@@ -119,17 +120,7 @@ def test_brn_equals_bn_when_r_max_is_1_and_d_max_is_0(dim):
     ours = randomize((BatchRenorm1d if dim == 1 else BatchRenorm2d)(3, r_max=1.0, d_max=0.0).to(DT))
     theirs = (nn.BatchNorm1d(3) if dim == 1 else nn.BatchNorm2d(3)).to(DT)
     theirs.load_state_dict({**theirs.state_dict(), "weight": ours.weight, "bias": ours.bias})
-    for step in range(3):
-        x1 = batch(dim, step).requires_grad_()
-        x2 = x1.detach().clone().requires_grad_()
-        up = torch.randn(x1.shape, generator=torch.Generator().manual_seed(100 + step), dtype=DT)
-        y1, y2 = ours(x1), theirs(x2)
-        (y1 * up).sum().backward()
-        (y2 * up).sum().backward()
-        torch.testing.assert_close(y1, y2, rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(ours.bias.grad, theirs.bias.grad, rtol=1e-10, atol=1e-12)
+    assert_same_training_steps(ours, theirs, lambda step: batch(dim, step), seed=100, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("dim", [1, 2])
