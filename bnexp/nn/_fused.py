@@ -17,30 +17,36 @@ the backward; the closed form below needs two per-channel sums and one elementwi
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
 from bnexp.nn._base import channel_dims, per_channel
 
+Coefficient = Union[float, Tensor]
+
 
 class _ScaledNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, var: Tensor, k: Tensor,
-                q: Tensor, rho: float, eps: float, decouple: bool) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, var: Tensor, k: Coefficient,
+                q: Coefficient, rho: float, eps: float, decouple: bool) -> Tensor:
         shift = -k * mean + (bias if decouple else 0.0)  # z = x + shift
         z_mean = mean + shift
         s = (var + z_mean.square() + eps).sqrt()
-        a = weight / (rho * q * s)
+        divisor = rho * q * s
+        a = weight / divisor
         b = a * shift + (0.0 if decouple else bias)
-        ctx.save_for_backward(x, weight, shift, z_mean, s, a, k, q)
-        ctx.rho, ctx.decouple = rho, decouple
+        # A constant k (1 or 0) stays a Python number: no tensor made per layer and step.
+        ctx.k = None if isinstance(k, Tensor) else k
+        ctx.save_for_backward(x, shift, z_mean, s, a, divisor, *([k] if ctx.k is None else []))
+        ctx.decouple = decouple
         return torch.addcmul(per_channel(b, x).to(x.dtype), x, per_channel(a, x).to(x.dtype))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
-        x, weight, shift, z_mean, s, a, k, q = ctx.saved_tensors
+        x, shift, z_mean, s, a, divisor, *saved_k = ctx.saved_tensors
+        k = saved_k[0] if saved_k else ctx.k
         dims = channel_dims(x)
         n = x.numel() // x.shape[1]
         acc = a.dtype
@@ -52,16 +58,17 @@ class _ScaledNorm(torch.autograd.Function):
         const = -c * shift - k * sum_dz / n
         grad_x = torch.addcmul(per_channel(const, x).to(x.dtype), grad, per_channel(a, x).to(x.dtype))
         grad_x = torch.addcmul(grad_x, x, per_channel(-c, x).to(x.dtype))
-        grad_weight = sum_gz / (ctx.rho * q * s)
+        grad_weight = sum_gz / divisor
         grad_bias = sum_dz if ctx.decouple else sum_g
-        return grad_x, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype), None, None, None, None, None, None, None
+        return grad_x, grad_weight.to(a.dtype), grad_bias.to(a.dtype), None, None, None, None, None, None, None
 
 
-def scaled_norm(x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, var: Tensor, k: Tensor, q: Tensor,
-                rho: float, eps: float, decouple: bool) -> Tensor:
+def scaled_norm(x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, var: Tensor, k: Coefficient,
+                q: Coefficient, rho: float, eps: float, decouple: bool) -> Tensor:
     """``gamma / rho * z / (q * s)`` (``+ beta`` when coupled) with the closed-form backward.
 
     ``mean`` and ``var`` are the batch statistics of ``x`` (biased variance), passed in
-    detached: the backward accounts for their dependence on ``x`` itself.
+    detached: the backward accounts for their dependence on ``x`` itself. ``k`` and ``q``
+    are numbers, or per-channel tensors (AMAT's ratios); neither receives a gradient.
     """
     return _ScaledNorm.apply(x, weight, bias, mean.detach(), var.detach(), k, q, rho, eps, decouple)

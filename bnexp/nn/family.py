@@ -113,9 +113,8 @@ class NormFamily(ChannelNorm):
             with torch.no_grad():
                 var, mean = self.batch_var_mean(x)
             self._track(mean, var, n)
-            one = mean.new_ones(())
-            k = one if self.center else mean.new_zeros(())
-            return scaled_norm(x, self.weight, self.bias, mean, var, k, one, self.rho, self.eps, self.decouple)
+            k = 1.0 if self.center else 0.0
+            return scaled_norm(x, self.weight, self.bias, mean, var, k, 1.0, self.rho, self.eps, self.decouple)
         var, mean = self.batch_var_mean(x)
         self._track(mean, var, n)
         return self._from_stats(x, mean, var)
