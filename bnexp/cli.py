@@ -23,7 +23,6 @@ from bnexp.errors import EXIT_CONFIG, EXIT_FAILED, BnexpError
 from bnexp.distributed import from_environment
 from bnexp.launch import rank_overrides
 from bnexp.preemption import Preempted
-from bnexp.report.reference import register_resolver
 
 log = logging.getLogger("bnexp")
 
@@ -50,7 +49,7 @@ def _train_task(cfg: DictConfig) -> float | str | None:
     hydra_cfg = HydraConfig.get()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    register_resolver()
+    register_resolvers()  # a launcher's worker process starts without them
     reason = skip_reason(cfg, run_dir)
     if reason:
         log.info("%s: skipped: %s", run_dir, reason)
@@ -94,7 +93,6 @@ def _launch_processes(nproc: int, overrides: list[str], run_dir: Path, sweeping:
 def train_command(args: list[str]) -> None:
     """``bnexp train``: hand the arguments to Hydra."""
     register_resolvers()
-    register_resolver()
     app = hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")(_train_task)
     sys.argv = ["bnexp train", *args, *rank_overrides()]
     app()

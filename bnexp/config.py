@@ -36,9 +36,12 @@ def run_name(override_dirname: str) -> str:
 
 
 def register_resolvers() -> None:
-    """OmegaConf resolvers the config tree uses (``${run_name:...}``)."""
-    if not OmegaConf.has_resolver("run_name"):
-        OmegaConf.register_new_resolver("run_name", run_name)
+    """OmegaConf resolvers the config tree uses (``${run_name:...}``, ``${bnp_lr:...}``)."""
+    from bnexp.report.reference import bnp_lr
+
+    for name, resolver in (("run_name", run_name), ("bnp_lr", bnp_lr)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
 
 
 def _number(cfg: DictConfig, key: str, ok: Callable[[float], bool], rule: str, integer: bool = False) -> None:

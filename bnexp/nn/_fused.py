@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from bnexp.nn._base import channel_dims, per_channel
+from bnexp.nn._base import affine, grad_sums, per_channel
 
 Coefficient = Union[float, Tensor]
 
@@ -41,23 +41,20 @@ class _ScaledNorm(torch.autograd.Function):
         ctx.k = None if isinstance(k, Tensor) else k
         ctx.save_for_backward(x, shift, z_mean, s, a, divisor, *([k] if ctx.k is None else []))
         ctx.decouple = decouple
-        return torch.addcmul(per_channel(b, x).to(x.dtype), x, per_channel(a, x).to(x.dtype))
+        return affine(x, a, b)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         x, shift, z_mean, s, a, divisor, *saved_k = ctx.saved_tensors
         k = saved_k[0] if saved_k else ctx.k
-        dims = channel_dims(x)
         n = x.numel() // x.shape[1]
-        acc = a.dtype
-        sum_g = grad.sum(dims, dtype=acc)
-        sum_gz = (grad * x).sum(dims, dtype=acc) + shift * sum_g  # sum(G z) with z = x + shift
+        sum_g, sum_gx = grad_sums(grad, x, a.dtype)
+        sum_gz = sum_gx + shift * sum_g  # sum(G z) with z = x + shift
         c = a * sum_gz / (n * s.square())  # dL/dz = a G - c z
         sum_dz = a * sum_g - c * n * z_mean  # sum over the channel of dL/dz
         # dL/dx = a G - c x + (-c * shift - k * sum_dz / n): one fused elementwise pass.
         const = -c * shift - k * sum_dz / n
-        grad_x = torch.addcmul(per_channel(const, x).to(x.dtype), grad, per_channel(a, x).to(x.dtype))
-        grad_x = torch.addcmul(grad_x, x, per_channel(-c, x).to(x.dtype))
+        grad_x = affine(grad, a, const).addcmul_(x, per_channel(-c, x).to(x.dtype))
         grad_weight = sum_gz / divisor
         grad_bias = sum_dz if ctx.decouple else sum_g
         return grad_x, grad_weight.to(a.dtype), grad_bias.to(a.dtype), None, None, None, None, None, None, None

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from bnexp.nn._base import check_fraction
+from bnexp.nn._base import check_fraction, var_mean_per_channel
 
 # (batch mean, batch variance) -> the same, e.g. averaged over DDP ranks.
 StatsReducer = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -67,16 +67,14 @@ class BNPLayer(nn.Module):
             if x.dim() == 3:
                 x = x.unsqueeze(0)
             self.batch_size, self.map_size = x.shape[0], x.shape[2] * x.shape[3]
-            dims = [0, 2, 3]
         else:
             x = x.reshape(-1, self.in_features)
             self.batch_size = x.shape[0]
-            dims = [0]
         if x.numel() == self.in_features:
             mean = x.reshape(self.in_features).to(self.mu.dtype)
             return mean, (mean - self.mu).square()
         # a half-precision input (autocast) is reduced in the statistics' precision
-        var, mean = torch.var_mean(x.to(torch.promote_types(x.dtype, self.mu.dtype)), dims, correction=0)
+        var, mean = var_mean_per_channel(x.to(torch.promote_types(x.dtype, self.mu.dtype)))
         return mean.to(self.mu.dtype), var.to(self.mu.dtype)
 
     @torch.no_grad()

@@ -1,7 +1,7 @@
 """The normalization family of METHODS.md section 2: one module, flags, and its presets.
 
 Every forward is written as a per-channel affine map ``y = a * x + b`` whose ``a`` and ``b``
-come from a handful of per-channel tensors, so the only full-size work is one ``var_mean``
+come from a handful of per-channel tensors, so the only full-size work is one statistics
 pass (training) and one fused multiply-add.
 """
 

@@ -26,7 +26,6 @@ from omegaconf import DictConfig, OmegaConf
 from bnexp.config import config_dir, register_resolvers
 from bnexp.commands import split_options
 from bnexp.errors import ConfigError, unknown_choice
-from bnexp.report.reference import register_resolver
 
 SEED = "trainer.seed"
 SCALES = ("full", "quick")
@@ -69,7 +68,6 @@ def preset_overrides(name: str, scale: str = "full") -> list[str]:
 def hydra_session() -> Iterator[None]:
     """A Hydra context on bnexp's config tree (outside any running Hydra app)."""
     register_resolvers()
-    register_resolver()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         yield
 

@@ -1,4 +1,4 @@
-"""The published numbers (``bnexp/reference/*.csv``) and the ``${bnp_lr:...}`` resolver."""
+"""The published numbers (``bnexp/reference/*.csv``), and the BNP learning rates behind ``${bnp_lr:...}``."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import io
 from functools import lru_cache
 from importlib import resources
 from typing import TYPE_CHECKING
-
-from omegaconf import OmegaConf
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -47,8 +45,3 @@ def bnp_lr(model: str, dataset: str, batch_size: int, norm: str) -> float | None
     method = BNP_METHODS.get(norm, norm)
     return bnp_learning_rates().get((model, dataset, int(batch_size), method))
 
-
-def register_resolver() -> None:
-    """``${bnp_lr:model,dataset,batch_size,norm}`` in presets reads the BNP table."""
-    if not OmegaConf.has_resolver("bnp_lr"):
-        OmegaConf.register_new_resolver("bnp_lr", bnp_lr)
