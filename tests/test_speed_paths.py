@@ -21,6 +21,7 @@ from bnexp.data.loaders import build_loaders, loader_kind
 from bnexp.errors import ConfigError
 from bnexp.models import DataSpec, build_model
 from bnexp.nn import BNP, CBN2d, NormFamily2d, set_learning_rate
+from bnexp.nn._base import affine, grad_sums, var_mean_per_channel
 from bnexp.speed import Accelerated, amp_mode
 from bnexp.trainer import train
 from tests.conftest import TINY, compose_cfg, read_metrics
@@ -233,6 +234,33 @@ def test_norm_statistics_are_float32_under_autocast() -> None:
     state = next(bnp.layers())
     torch.testing.assert_close(state.mu, exact_mean, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(state.sigma2, exact_var, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("shape", [(7, 3), (5, 3, 4), (4, 3, 5, 6)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_eager_statistics_kernels_match_the_formulas(shape: tuple[int, ...], channels_last: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g) * 3 + 1000  # a large mean: a one-pass formula would fail
+    grad = torch.randn(*shape, generator=g)
+    if channels_last and x.dim() == 4:
+        x, grad = (t.contiguous(memory_format=torch.channels_last) for t in (x, grad))
+    dims = [0, *range(2, x.dim())]
+    x64, grad64 = x.double(), grad.double()
+    mean = x64.mean(dims)
+    var = ((x64 - mean.view(1, -1, *[1] * (x.dim() - 2))) ** 2).mean(dims)
+    fast_var, fast_mean = var_mean_per_channel(x)  # eager, no gradient: the fast kernels
+    torch.testing.assert_close(fast_mean.double(), mean, rtol=0, atol=1e-4)
+    torch.testing.assert_close(fast_var.double(), var, rtol=1e-5, atol=0)
+    graph_var, graph_mean = var_mean_per_channel(x.clone().requires_grad_())  # var_mean, under autograd
+    torch.testing.assert_close(fast_var, graph_var.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(fast_mean, graph_mean.detach(), rtol=1e-6, atol=0)
+    for kind in (torch.float32, torch.float64):  # one pass of torch's kernel; two reductions
+        sum_g, sum_gx = grad_sums(grad, x, kind)
+        torch.testing.assert_close(sum_g.double(), grad64.sum(dims), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sum_gx.double(), (grad64 * x64).sum(dims), rtol=1e-5, atol=1e-2)
+    a, b = torch.randn(3, generator=g), torch.randn(3, generator=g)
+    view = (1, 3, *[1] * (x.dim() - 2))
+    torch.testing.assert_close(affine(x, a, b).double(), x64 * a.double().view(view) + b.double().view(view))
 
 
 def test_amp_setting() -> None:
