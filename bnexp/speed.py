@@ -52,6 +52,11 @@ class Accelerated(nn.Module):
             )
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp == "fp16")
         if compile:
+            # torch.compile by default does not guard on module hooks, so a graph traced for
+            # one model would run for another of the same code with other hooks (or none),
+            # silently skipping BNP's and the probes' forward hooks (lrsearch and bench build
+            # several models in one process). Guarding on them costs little.
+            torch._dynamo.config.skip_nnmodule_hook_guards = False
             # Fixed shapes: a partial last batch or the eval batch size gets its own graph
             # instead of turning every graph dynamic.
             self.compile(dynamic=False)

@@ -210,6 +210,23 @@ def test_compiled_model_matches_eager() -> None:
         torch.testing.assert_close(compiled.model.state_dict()[key], value, rtol=1e-5, atol=1e-5, msg=key)
 
 
+def test_compiled_models_run_their_own_hooks() -> None:
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * (SIZE - 2) ** 2, 2))
+
+    x = torch.randn(4, 3, SIZE, SIZE)
+    Accelerated(model(), CPU, compile=True)(x)  # traced with no hooks at all
+    stats = []
+    for scale in (1.0, 2.0):  # then two models of the same code, each with its own BNP hooks
+        net = model()
+        bnp = BNP(net, rho=0.0)
+        Accelerated(net, CPU, compile=True)(x * scale)
+        stats.append(next(bnp.layers()))
+    for scale, state in zip((1.0, 2.0), stats):
+        assert state.batch_size == 4
+        torch.testing.assert_close(state.mu, (x * scale).mean((0, 2, 3)))
+
+
 def test_bf16_run_is_close_to_fp32(tmp_path: Path) -> None:
     overrides = [*TINY, "optim.lr=0.02", "trainer.max_steps=8", "trainer.eval_every=4", "trainer.eval_unit=step"]
     runs = {amp: train(compose_cfg([*overrides, f"trainer.amp={amp}"]), tmp_path / amp) for amp in ("off", "bf16")}
