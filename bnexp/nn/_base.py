@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 FEATURES = (2, 3)  # 1d modules: (N, C) or (N, C, L), like torch.nn.BatchNorm1d
 IMAGES = (4,)  # 2d modules: (N, C, H, W)
@@ -24,19 +25,42 @@ def per_channel(v: Tensor, x: Tensor) -> Tensor:
 def var_mean_per_channel(x: Tensor) -> tuple[Tensor, Tensor]:
     """Biased variance and mean over every dimension but 1.
 
-    Under autograd or torch.compile this is ``var_mean``. Eager and without a gradient it
-    is the same two-pass computation from cheaper kernels (``var_mean`` over the strided
-    dimensions of an NCHW tensor is several times slower on a CPU): the mean ``m``, then
-    the sums of ``d = x - m`` and ``d^2``, the first of which corrects ``m``'s rounding.
+    Under torch.compile this is ``var_mean``. Eager it is the same two-pass computation
+    from cheaper kernels (``var_mean`` over the strided dimensions of an NCHW tensor is
+    several times slower on a CPU): the mean ``m``, then the sums of ``d = x - m`` and
+    ``d^2``, the first of which corrects ``m``'s rounding. Under autograd its backward is
+    one elementwise pass, ``dx = (g_mean + 2 g_var (x - mean)) / n``.
     """
-    if torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()):
+    if torch.compiler.is_compiling():
         return torch.var_mean(x, channel_dims(x), correction=0)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _VarMean.apply(x)
+    return _two_pass_var_mean(x)
+
+
+def _two_pass_var_mean(x: Tensor) -> tuple[Tensor, Tensor]:
     n = x.numel() // x.shape[1]
     mean = x.sum(channel_dims(x)) / n
     d = x - per_channel(mean, x)
     sum_d, sum_dd = grad_sums(d, d, d.dtype)
     shift = sum_d / n
     return sum_dd / n - shift.square(), mean + shift
+
+
+class _VarMean(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> tuple[Tensor, Tensor]:
+        var, mean = _two_pass_var_mean(x)
+        ctx.save_for_backward(x, mean)
+        return var, mean
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_var: Tensor, grad_mean: Tensor) -> Tensor:
+        x, mean = ctx.saved_tensors
+        n = x.numel() // x.shape[1]
+        a = 2.0 * grad_var / n
+        return affine(x, a, grad_mean / n - a * mean)
 
 
 def grad_sums(grad: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
