@@ -8,7 +8,8 @@ form ``y = g * z / (q * s) (+ beta when coupled)`` per channel, with
 where ``k`` is 1 (centered), 0 (not centered) or AMAT's ratio ``mu_A / mu_B``, and ``q`` is
 1 or AMAT's ratio ``sigma_A / sigma_B``; both ratios are constants for autograd. Autograd
 through the dozen small ops of that formula costs several passes over the activations in
-the backward; the closed form below needs two per-channel sums and one elementwise pass:
+the backward; the closed form below needs one pass for two per-channel sums and one
+per-channel combination of ``G`` and ``x``:
 
     dL/dz = a * G - (a * sum(G z) / (n s^2)) * z,     a = g / (q s)
     dL/dx = dL/dz - (k / n) * sum(dL/dz)
@@ -52,7 +53,7 @@ class _ScaledNorm(torch.autograd.Function):
         sum_gz = sum_gx + shift * sum_g  # sum(G z) with z = x + shift
         c = a * sum_gz / (n * s.square())  # dL/dz = a G - c z
         sum_dz = a * sum_g - c * n * z_mean  # sum over the channel of dL/dz
-        # dL/dx = a G - c x + (-c * shift - k * sum_dz / n): one fused elementwise pass.
+        # dL/dx = a G - c x + (-c * shift - k * sum_dz / n), written into one new tensor.
         const = -c * shift - k * sum_dz / n
         grad_x = affine(grad, a, const).addcmul_(x, per_channel(-c, x).to(x.dtype))
         grad_weight = sum_gz / divisor

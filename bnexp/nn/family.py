@@ -2,7 +2,7 @@
 
 Every forward is written as a per-channel affine map ``y = a * x + b`` whose ``a`` and ``b``
 come from a handful of per-channel tensors, so the only full-size work is one statistics
-pass (training) and one fused multiply-add.
+pass (training) and one per-channel multiply-add.
 """
 
 from __future__ import annotations
