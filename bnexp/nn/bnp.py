@@ -122,9 +122,14 @@ class BNPLayer(nn.Module):
             g_w.div_(denom)
             return
         mu = self._per_weight(self.mu, weight)
-        new_w = (g_w - mu * g_b.view(-1, *([1] * (g_w.dim() - 1)))) / denom
-        g_b.div_(q2).sub_((new_w * mu).flatten(1).sum(1))
-        g_w.copy_(new_w)
+        # In place, without weight-sized temporaries: g_w <- (g_w - mu g_b) / denom, then
+        # g_b <- g_b / q2 - (each row of the new g_w) . mu.
+        g_w.addcmul_(mu, g_b.view(-1, *([1] * (g_w.dim() - 1))), value=-1.0).div_(denom)
+        if mu.shape[0] == 1:  # the same mu for every row: one matrix-vector product
+            row_dot = g_w.flatten(1).mv(mu.expand(1, *g_w.shape[1:]).reshape(-1))
+        else:  # grouped conv: each group of rows reads its own input channels
+            row_dot = (g_w * mu).flatten(1).sum(1)
+        g_b.div_(q2).sub_(row_dot)
 
     def matrix(self, group: int = 0) -> Tensor:
         """The explicit ``P`` for the output channels of ``group``, over ``[b_i, w_i.flatten()]``."""
