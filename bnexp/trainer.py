@@ -202,6 +202,25 @@ class Run:
             cb.on_eval(s, row)
 
 
+def train_step(net: Accelerated, optimizer: torch.optim.Optimizer, callbacks: list[Callback], state: TrainState,
+               x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimization step on ``(x, y)``: callbacks around forward, loss, backward and update.
+
+    Returns the logits and the loss. The learning-rate schedule, buffer averaging and the
+    step count are the caller's (``bnexp bench step`` times exactly this function).
+    """
+    for cb in callbacks:
+        cb.before_step(state)
+    logits = net(x)
+    loss = F.cross_entropy(logits, y)
+    optimizer.zero_grad(set_to_none=True)
+    net.backward(loss, optimizer)
+    for cb in callbacks:
+        cb.after_backward(state)
+    net.step(optimizer)
+    return logits, loss
+
+
 def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks: list[Callback]) -> None:
     """Train one run, writing metrics.csv and checkpoints; fill ``summary`` as it goes."""
     seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
@@ -242,15 +261,7 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
             x, y = next(stream)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             lr = state.lr
-            for cb in run.callbacks:
-                cb.before_step(state)
-            logits = net(x)
-            loss = F.cross_entropy(logits, y)
-            optimizer.zero_grad(set_to_none=True)
-            net.backward(loss, optimizer)
-            for cb in run.callbacks:
-                cb.after_backward(state)
-            net.step(optimizer)
+            logits, loss = train_step(net, optimizer, run.callbacks, state, x, y)
             scheduler.step()
             distributed.average_buffers(model)
             state.step += 1

@@ -1,6 +1,6 @@
 """``bnexp bench step``: one training step of each model with each norm, against ``bn``.
 
-A step is what the trainer does per batch: callbacks (AMAT learning rate, BNP
+A step is the trainer's own `train_step`: callbacks (AMAT learning rate, BNP
 preconditioning), forward under the run's amp / channels_last / compile settings,
 cross-entropy, backward, optimizer step, on a fixed random batch already on the device.
 Ratios are against ``norm=bn`` on the same model and mode; ``bnp`` (BNP without norms) is
@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 
 import bnexp.plugins  # noqa: F401  (registers the callbacks the norms need, as the trainer does)
@@ -24,6 +23,7 @@ from bnexp.callbacks import TrainState, callbacks_for
 from bnexp.models import DataSpec, build_model
 from bnexp.optim import build_optimizer, build_schedule
 from bnexp.speed import Accelerated
+from bnexp.trainer import train_step
 
 # model -> (the data it trains on, its usual per-GPU batch)
 MODELS: dict[str, tuple[DataSpec, int]] = {
@@ -40,7 +40,8 @@ COLUMNS = ("model", "name", "mode", "baseline", "seconds_median", "seconds_iqr",
 STEP_OVERRIDES = ("optim.lr=0.001",)
 
 
-def step_case(cfg: DictConfig, spec: DataSpec, batch: int, device: torch.device, run_dir: Path) -> Callable[[], None]:
+def step_case(cfg: DictConfig, spec: DataSpec, batch: int, device: torch.device,
+              run_dir: Path) -> Callable[[], object]:
     """One training step of ``cfg``'s model on a fixed batch, as the trainer's loop takes it."""
     model = build_model(cfg.model, cfg.norm, cfg.act.name, spec).to(device)
     net = Accelerated.from_config(model, device, cfg.trainer)
@@ -53,18 +54,7 @@ def step_case(cfg: DictConfig, spec: DataSpec, batch: int, device: torch.device,
     x = torch.randn(batch, spec.in_channels, spec.image_size, spec.image_size, device=device, generator=g)
     y = torch.randint(spec.num_classes, (batch,), device=device, generator=g)
     model.train()
-
-    def step() -> None:
-        for cb in callbacks:
-            cb.before_step(state)
-        loss = F.cross_entropy(net(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        net.backward(loss, optimizer)
-        for cb in callbacks:
-            cb.after_backward(state)
-        net.step(optimizer)
-
-    return step
+    return lambda: train_step(net, optimizer, callbacks, state, x, y)
 
 
 def bench(options: Mapping[str, Any], overrides: Sequence[str]) -> list[Record]:
