@@ -22,16 +22,23 @@ def per_channel(v: Tensor, x: Tensor) -> Tensor:
     return v.view(1, -1, *([1] * (x.dim() - 2)))
 
 
+def cpu_eager(x: Tensor) -> bool:
+    """Whether ``x`` is on the CPU outside torch.compile, where torch's generic kernels for
+    per-channel statistics and broadcast multiply-adds are slow and these helpers use others.
+    On a GPU, and under the compiler (which fuses them itself), they use the plain ops."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def var_mean_per_channel(x: Tensor) -> tuple[Tensor, Tensor]:
     """Biased variance and mean over every dimension but 1.
 
-    Under torch.compile this is ``var_mean``. Eager it is the same two-pass computation
-    from cheaper kernels (``var_mean`` over the strided dimensions of an NCHW tensor is
-    several times slower on a CPU): the mean ``m``, then the sums of ``d = x - m`` and
-    ``d^2``, the first of which corrects ``m``'s rounding. Under autograd its backward is
-    one elementwise pass, ``dx = (g_mean + 2 g_var (x - mean)) / n``.
+    ``torch.var_mean``, except eager on a CPU, where ``var_mean`` over the strided
+    dimensions of an NCHW tensor is several times slower than a contiguous sum: there it
+    is the same two-pass computation from cheaper kernels, the mean ``m``, then the sums
+    of ``d = x - m`` and ``d^2``, the first of which corrects ``m``'s rounding. Under
+    autograd its backward is one elementwise pass, ``dx = (g_mean + 2 g_var (x - mean)) / n``.
     """
-    if torch.compiler.is_compiling():
+    if not cpu_eager(x):
         return torch.var_mean(x, channel_dims(x), correction=0)
     if x.requires_grad and torch.is_grad_enabled():
         return _VarMean.apply(x)
@@ -79,13 +86,16 @@ def grad_sums(grad: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tens
 
 
 def affine(x: Tensor, a: Tensor, b: Optional[Tensor]) -> Tensor:
-    """``a * x + b`` with per-channel ``a`` and ``b``, in ``x``'s dtype.
+    """``a * x + b`` with per-channel ``a`` and ``b``, in ``x``'s dtype: one ``addcmul``.
 
-    A multiply, then an in-place add: with the per-channel ``b`` as its first operand,
-    ``addcmul`` runs two to three times slower on a CPU.
+    Eager on a CPU it is a multiply, then an in-place add: ``addcmul`` with the broadcast
+    ``b`` as its first operand runs two to three times slower there.
     """
-    y = x * per_channel(a, x).to(x.dtype)
-    return y if b is None else y.add_(per_channel(b, x).to(x.dtype))
+    a = per_channel(a, x).to(x.dtype)
+    if b is None:
+        return x * a
+    b = per_channel(b, x).to(x.dtype)
+    return (x * a).add_(b) if cpu_eager(x) else torch.addcmul(b, x, a)
 
 
 def check_fraction(name: str, value: float) -> None:
