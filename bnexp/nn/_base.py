@@ -80,8 +80,9 @@ def grad_sums(grad: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tens
         dims = channel_dims(x)
         return grad.sum(dims, dtype=dtype), (grad * x).sum(dims, dtype=dtype)
     zero, one = x.new_zeros(x.shape[1]), x.new_ones(x.shape[1])
+    # weight=one is not used by these two outputs; some backends size them from it.
     _, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
-        grad, x, None, None, None, zero, one, True, 0.0, [False, True, True])
+        grad, x, one, None, None, zero, one, True, 0.0, [False, True, True])
     return sum_g, sum_gx
 
 
