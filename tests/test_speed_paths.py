@@ -21,7 +21,7 @@ from bnexp.data.loaders import build_loaders, loader_kind
 from bnexp.errors import ConfigError
 from bnexp.models import DataSpec, build_model
 from bnexp.nn import BNP, CBN2d, NormFamily2d, set_learning_rate
-from bnexp.nn._base import affine, grad_sums, var_mean_per_channel
+from bnexp.nn._base import affine, channel_sums, var_mean_per_channel
 from bnexp.speed import Accelerated, amp_mode
 from bnexp.trainer import train
 from tests.conftest import TINY, compose_cfg, read_metrics
@@ -272,7 +272,7 @@ def test_eager_statistics_kernels_match_the_formulas(shape: tuple[int, ...], cha
     leaf = x64.clone().requires_grad_()
     assert torch.autograd.gradcheck(var_mean_per_channel, (leaf,))  # its own backward, in float64
     for kind in (torch.float32, torch.float64):  # one pass of torch's kernel; two reductions
-        sum_g, sum_gx = grad_sums(grad, x, kind)
+        sum_g, sum_gx = channel_sums(grad, x, kind)
         torch.testing.assert_close(sum_g.double(), grad64.sum(dims), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(sum_gx.double(), (grad64 * x64).sum(dims), rtol=1e-5, atol=1e-2)
     a, b = torch.randn(3, generator=g), torch.randn(3, generator=g)

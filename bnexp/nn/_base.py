@@ -49,7 +49,7 @@ def _two_pass_var_mean(x: Tensor) -> tuple[Tensor, Tensor]:
     n = x.numel() // x.shape[1]
     mean = x.sum(channel_dims(x)) / n
     d = x - per_channel(mean, x)
-    sum_d, sum_dd = grad_sums(d, d, d.dtype)
+    sum_d, sum_dd = channel_sums(d, d, d.dtype)
     shift = sum_d / n
     return sum_dd / n - shift.square(), mean + shift
 
@@ -70,19 +70,20 @@ class _VarMean(torch.autograd.Function):
         return affine(x, a, grad_mean / n - a * mean)
 
 
-def grad_sums(grad: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``sum(grad)`` and ``sum(grad * x)`` over every dimension but 1, accumulated in ``dtype``.
+def channel_sums(g: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``sum(g)`` and ``sum(g * x)`` over every dimension but 1, accumulated in ``dtype``.
 
     Eager and in ``dtype`` already, both come from one pass of torch's batch-norm backward
-    reduction (the weight gradient with mean 0 and inverse std 1); otherwise two reductions.
+    reduction (its bias and weight gradients for ``g``, with mean 0 and inverse std 1);
+    otherwise two reductions. Used for a backward's sums and for ``sum(d), sum(d^2)``.
     """
-    if torch.compiler.is_compiling() or grad.dtype != dtype or x.dtype != dtype:
+    if torch.compiler.is_compiling() or g.dtype != dtype or x.dtype != dtype:
         dims = channel_dims(x)
-        return grad.sum(dims, dtype=dtype), (grad * x).sum(dims, dtype=dtype)
+        return g.sum(dims, dtype=dtype), (g * x).sum(dims, dtype=dtype)
     zero, one = x.new_zeros(x.shape[1]), x.new_ones(x.shape[1])
     # weight=one is not used by these two outputs; some backends size them from it.
     _, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
-        grad, x, one, None, None, zero, one, True, 0.0, [False, True, True])
+        g, x, one, None, None, zero, one, True, 0.0, [False, True, True])
     return sum_g, sum_gx
 
 

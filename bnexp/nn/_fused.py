@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from bnexp.nn._base import affine, grad_sums, per_channel
+from bnexp.nn._base import affine, channel_sums, per_channel
 
 Coefficient = Union[float, Tensor]
 
@@ -49,7 +49,7 @@ class _ScaledNorm(torch.autograd.Function):
         x, shift, z_mean, s, a, divisor, *saved_k = ctx.saved_tensors
         k = saved_k[0] if saved_k else ctx.k
         n = x.numel() // x.shape[1]
-        sum_g, sum_gx = grad_sums(grad, x, a.dtype)
+        sum_g, sum_gx = channel_sums(grad, x, a.dtype)
         sum_gz = sum_gx + shift * sum_g  # sum(G z) with z = x + shift
         c = a * sum_gz / (n * s.square())  # dL/dz = a G - c z
         sum_dz = a * sum_g - c * n * z_mean  # sum over the channel of dL/dz
