@@ -280,6 +280,24 @@ def test_eager_statistics_kernels_match_the_formulas(shape: tuple[int, ...], cha
     torch.testing.assert_close(affine(x, a, b).double(), x64 * a.double().view(view) + b.double().view(view))
 
 
+@pytest.mark.parametrize("shape, channels_last", [((200000, 4), False), ((8, 4, 256, 256), False),
+                                                  ((8, 4, 256, 256), True), ((1, 2, 1024, 1024), False)])
+def test_eager_sums_stay_accurate_over_many_terms(shape: tuple[int, ...], channels_last: bool) -> None:
+    # 2-D, channels_last and very large planes are where torch's batch-norm kernel adds in
+    # float32 serially; these must take torch's own reductions (about 1e-7 here).
+    x = torch.rand(*shape, generator=torch.Generator().manual_seed(0)) + 0.5
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    dims = [0, *range(2, x.dim())]
+    x64 = x.double()
+    sum_x, sum_xx = channel_sums(x, x, torch.float32)
+    torch.testing.assert_close(sum_x.double(), x64.sum(dims), rtol=2e-6, atol=0)
+    torch.testing.assert_close(sum_xx.double(), (x64 * x64).sum(dims), rtol=2e-6, atol=0)
+    var, mean = var_mean_per_channel(x)
+    torch.testing.assert_close(var.double(), x64.var(dims, correction=0), rtol=2e-6, atol=0)
+    torch.testing.assert_close(mean.double(), x64.mean(dims), rtol=2e-6, atol=0)
+
+
 def test_amp_setting() -> None:
     assert amp_mode(False) == amp_mode("off") == "off" and amp_mode("bf16") == "bf16"
     with pytest.raises(ConfigError, match="unknown trainer.amp 'fp8'"):

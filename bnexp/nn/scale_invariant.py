@@ -22,7 +22,8 @@ class ScaleInvariantBN(NormFamily):
     forward, so the gradient reaches it through the smoothing term too.
     """
 
-    def __init__(self, num_features: int, op: Optional[nn.Module] = None, eps: float = 1e-5, momentum: float = 0.1) -> None:
+    def __init__(self, num_features: int, op: Optional[nn.Module] = None, eps: float = 1e-5,
+                 momentum: float = 0.1) -> None:
         super().__init__(num_features, eps=eps, momentum=momentum)
         # A tuple keeps the op out of this module's children, parameters and state_dict.
         self._op: tuple[nn.Module, ...] = ()
