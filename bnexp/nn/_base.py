@@ -75,16 +75,16 @@ class _VarMean(torch.autograd.Function):
 def channel_sums(g: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``sum(g)`` and ``sum(g * x)`` over every dimension but 1, accumulated in ``dtype``.
 
-    Eager, in ``dtype`` already and NCHW-contiguous with planes (the dims after 1) of at
-    most :data:`FUSED_PLANE` values, both come from one pass of torch's batch-norm backward
+    Eager and in ``dtype`` already, both come from one pass of torch's batch-norm backward
     reduction (its bias and weight gradients for ``g``, with mean 0 and inverse std 1);
-    otherwise two reductions. That kernel sums each plane in a few float32 accumulators
-    and 2-D or channels_last inputs serially, which loses about 1e-4 of a sum of 10^6
-    positive terms where torch's sums stay near 1e-7. Used for a backward's sums and for
-    ``sum(d), sum(d^2)``.
+    otherwise two reductions. On the CPU only for NCHW-contiguous inputs with planes (the
+    dims after 1) of at most :data:`FUSED_PLANE` values: the CPU kernel sums each plane in a
+    few float32 accumulators and 2-D or channels_last inputs serially, which loses about
+    1e-4 of a sum of 10^6 positive terms where torch's sums stay near 1e-7. Used for a
+    backward's sums and for ``sum(d), sum(d^2)``.
     """
-    fused = (x.dim() > 2 and x.is_contiguous() and g.is_contiguous() and g.dtype == x.dtype == dtype
-             and math.prod(x.shape[2:]) <= FUSED_PLANE)
+    fused = g.dtype == x.dtype == dtype and (x.device.type != "cpu" or (
+        x.dim() > 2 and x.is_contiguous() and g.is_contiguous() and math.prod(x.shape[2:]) <= FUSED_PLANE))
     if torch.compiler.is_compiling() or not fused:
         dims = channel_dims(x)
         return g.sum(dims, dtype=dtype), (g * x).sum(dims, dtype=dtype)
