@@ -79,9 +79,9 @@ def channel_sums(g: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tens
     reduction (its bias and weight gradients for ``g``, with mean 0 and inverse std 1);
     otherwise two reductions. On the CPU only for NCHW-contiguous inputs with planes (the
     dims after 1) of at most :data:`FUSED_PLANE` values: the CPU kernel sums each plane in a
-    few float32 accumulators and 2-D or channels_last inputs serially, which loses about
-    1e-4 of a sum of 10^6 positive terms where torch's sums stay near 1e-7. Used for a
-    backward's sums and for ``sum(d), sum(d^2)``.
+    few float32 accumulators and runs through 2-D and channels_last inputs serially, which
+    loses about 1e-4 of a sum of 10^6 positive terms where torch's sums stay near 1e-7.
+    Used for a backward's sums and for ``sum(d), sum(d^2)``.
     """
     fused = g.dtype == x.dtype == dtype and (x.device.type != "cpu" or (
         x.dim() > 2 and x.is_contiguous() and g.is_contiguous() and math.prod(x.shape[2:]) <= FUSED_PLANE))
