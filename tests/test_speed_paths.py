@@ -147,7 +147,7 @@ def test_loader_choice() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # fp16 skips overflowing steps
-@pytest.mark.parametrize("amp", ["off", "fp16"])
+@pytest.mark.parametrize("amp", ["off", "fp16", "bf16"])
 def test_resume_with_device_loader_is_bit_identical(tmp_path: Path, amp: str) -> None:
     overrides = ["trainer.max_steps=10", "data.loader=device", f"trainer.amp={amp}", "optim.lr=0.02"]
     run_inprocess(tmp_path / "reference", overrides)
