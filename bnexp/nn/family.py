@@ -178,25 +178,28 @@ class NormFamily(ChannelNorm):
                 "rate was given: call bnexp.nn.set_learning_rate(model, lr) before each training step"
             )
         first = self.amat_steps == 0  # the first step runs on batch statistics and copies them
-        if self._fused():
+        if self._fused():  # the closed-form backward accounts for the statistics itself
             with torch.no_grad():
                 var, mean = self.batch_var_mean(x)
-                r_mu = torch.where(first | (mean.abs() < AMAT_MEAN_GUARD), 1.0, self.amat_mean / mean)
-                sigma = self._sigma(var, self._with_beta(mean - r_mu * mean))  # sigma_B
-                r_sigma = torch.where(first, 1.0, self.amat_var.sqrt() / sigma)
+                r_mu, sigma, r_sigma = self._amat_ratios(first, mean, var)
             y = scaled_norm(x, self.weight, self.bias, mean, var, r_mu, r_sigma, self.rho, self.eps, self.decouple)
-            self._amat_update(first, mean, sigma)
-            return y
-        var, mean = self.batch_var_mean(x)
-        with torch.no_grad():
-            r_mu = torch.where(first | (mean.abs() < AMAT_MEAN_GUARD), 1.0, self.amat_mean / mean)
-        sub = r_mu * mean  # value mu_A, gradient through mu_B
-        sigma = self._sigma(var, self._with_beta(mean - sub))  # sigma_B
-        with torch.no_grad():
-            r_sigma = torch.where(first, 1.0, self.amat_var.sqrt() / sigma)
-        y = self._output(x, self._with_beta(-sub), r_sigma * sigma)
+        else:
+            var, mean = self.batch_var_mean(x)
+            r_mu, sigma, r_sigma = self._amat_ratios(first, mean, var)
+            # r_mu * mean has the value mu_A and the gradient of mu_B
+            y = self._output(x, self._with_beta(-r_mu * mean), r_sigma * sigma)
         self._amat_update(first, mean, sigma)
         return y
+
+    def _amat_ratios(self, first: Tensor, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``r_mu = mu_A / mu_B``, ``sigma_B`` and ``r_sigma = sigma_A / sigma_B`` (both ratios
+        constants for autograd, 1 on the first step; ``sigma_B`` differentiable with the inputs)."""
+        with torch.no_grad():
+            r_mu = torch.where(first | (mean.abs() < AMAT_MEAN_GUARD), 1.0, self.amat_mean / mean)
+        sigma = self._sigma(var, self._with_beta(mean - r_mu * mean))
+        with torch.no_grad():
+            r_sigma = torch.where(first, 1.0, self.amat_var.sqrt() / sigma)
+        return r_mu, sigma, r_sigma
 
     def _amat_update(self, first: Tensor, mean: Tensor, sigma: Tensor) -> None:
         """Eqs. (8)-(9) with ``eta_k``, after the forward; ``eta = 0`` on the first step.
