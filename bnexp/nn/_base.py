@@ -120,7 +120,7 @@ class ChannelNorm(nn.Module):
     """
 
     input_dims: tuple[int, ...] = ()
-    sync = False  # combine batch statistics over processes (set by bnexp.distributed.enable_sync)
+    sync = False  # combine batch statistics over processes (norm.sync; set by bnexp.norms.with_sync)
 
     def __init__(self, num_features: int, eps: float) -> None:
         super().__init__()
