@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import Dataset
 
 from bnexp.distributed import Dist
 
@@ -34,6 +35,7 @@ class TrainState:
     total_steps: int
     step: int = 0  # optimizer steps taken so far
     dist: Dist = field(default_factory=Dist)  # rank and world size (rank 0 of 1 unless under torchrun)
+    train_data: Optional[Dataset] = None  # the training set (probes draw batches from it); None in benches
 
     @property
     def epoch(self) -> float:

@@ -5,8 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import matplotlib.pyplot as plt
+import numpy as np
 import pytest
 
+from bnexp.report.layouts import LAYOUTS
+from bnexp.report.plot import draw
+from bnexp.report.results import load_summaries
 from tests.conftest import TINY, run_cli, run_dir_of
 
 
@@ -20,11 +25,34 @@ def write_run(root: Path, row: int, act: str, seed: int) -> None:
     (run / "metrics.csv").write_text("\n".join(lines) + "\n")
 
 
-def test_plot_writes_png_and_pdf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def write_runs(root: Path) -> None:
     for row in (1, 2):
         for act in ("sigmoid", "relu"):
             for seed in (0, 1):
-                write_run(tmp_path / "results", row, act, seed)
+                write_run(root, row, act, seed)
+
+
+def test_plot_draws_a_mean_line_per_row_in_each_column(tmp_path: Path) -> None:
+    write_runs(tmp_path)
+    fig = draw(LAYOUTS["cbn/table1"], load_summaries(tmp_path), ("train_loss", "test_acc"), ["1", "2"])
+    axes = np.array(fig.axes).reshape(2, 5)  # metrics x activations
+    assert [ax.get_title() for ax in axes[0]] == ["Sigmoid", "Tanh", "ReLU", "SELU", "Swish"]
+    epochs = [1, 2, 3]
+    for j in range(5):
+        for i, ax in enumerate(axes[:, j]):
+            if j not in (0, 2):  # tanh, selu, swish: no runs
+                assert not ax.lines and ax.get_legend() is None
+                continue
+            assert [t.get_text() for t in ax.get_legend().get_texts()] == ["1 BN (baseline)", "2 CBN rho=1"]
+            for row, line in zip((1, 2), ax.lines):
+                expected = [2.3 / e + 0.5 for e in epochs] if i == 0 else [20 * e + row for e in epochs]  # seeds 0, 1
+                assert list(line.get_xdata()) == epochs
+                assert list(line.get_ydata()) == pytest.approx(expected)
+    plt.close(fig)
+
+
+def test_plot_writes_png_and_pdf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_runs(tmp_path / "results")
     out_dir = tmp_path / "plots"
     code, out = run_cli(["plot", "cbn/table1", f"results={tmp_path / 'results'}", f"out={out_dir}", "rows=1,2"], capsys)
     assert code == 0, out

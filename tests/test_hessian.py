@@ -81,7 +81,10 @@ def test_hessian_command_writes_csv_and_figure(tmp_path: Path, capsys: pytest.Ca
             "data.test_size=32", "model.width=6", "trainer.max_steps=3", "trainer.device=cpu", "probe.hessian.every=2"]
     code, out = run_cli(args, capsys)
     assert code == 0, out
+    assert (tmp_path / "hessian.csv").read_text().splitlines()[0] == \
+        "norm,step,kappa_hessian,kappa_preconditioned,kappa_d,rank_hessian"  # as docs/instruments/hessian.md says
     table = pd.read_csv(tmp_path / "hessian.csv")
+    assert table["rank_hessian"].dtype == np.int64
     assert table[["norm", "step"]].values.tolist() == [["none", 0], ["none", 2], ["bnp", 0], ["bnp", 2]]
     assert (table["kappa_hessian"] >= 1).all() and (table["rank_hessian"] <= 7).all()  # [b, w]: 6 + 1
     assert (tmp_path / "hessian.png").stat().st_size > 0

@@ -50,3 +50,10 @@ def test_lrsearch_refuses_a_directory_of_another_search(tmp_path: Path, capsys: 
     assert run_cli(base, capsys)[0] == 0
     code, out = run_cli([*base, "trainer.max_steps=9"], capsys)
     assert code == 2 and "another config" in out
+
+
+def test_lrsearch_honours_resume_never(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["lrsearch", *TOY, "methods=[none]", "acts=[relu]", "lrs=[1e-2]", f"out={tmp_path}"]
+    assert run_cli(base, capsys)[0] == 0
+    code, out = run_cli([*base, "trainer.resume=never"], capsys)  # a finished run, trained again
+    assert code == 0 and "(reused)" not in out, out

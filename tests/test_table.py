@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bnexp.report.layouts import CBN_ROW_LABELS, Axis, Layout
+from bnexp.errors import ConfigError
+from bnexp.report.layouts import CBN_ROW_LABELS, LAYOUTS, Axis, Layout
 from bnexp.report.results import load_summaries
 from bnexp.report.table import build, render
 from tests.conftest import run_cli
@@ -77,3 +78,50 @@ def test_table_command_on_a_results_folder(tmp_path: Path, capsys: pytest.Captur
                     "6", "Improv.", "7", "Improv."]
     assert "– (0; 10 missing)" in out and "90.00 (1; 1 diverged, 8 missing)" in out
     assert run_cli(["table", "cbn/table9"], capsys)[0] == 2
+
+
+def write_lr_run(root: Path, lr: float, first_epoch_loss: float, probe_losses: tuple[float, ...] | None) -> None:
+    """A completed CBN Table 6 run: metrics.csv's first-epoch mean loss, the loss probe's values."""
+    run = root / f"lr={lr}"
+    run.mkdir(parents=True)
+    config = {"tags": {"method": "cbn"}, "act": {"name": "relu"}, "optim": {"lr": lr}, "trainer": {"seed": 0}}
+    final = probe_losses[-1] if probe_losses else 1.0
+    summary = {"status": "completed", "final_top1": 50.0 + lr, "final_train_loss": final, "config": config}
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "metrics.csv").write_text(f"step,epoch,train_loss\n10,1,{first_epoch_loss}\n20,2,{final}\n")
+    if probe_losses:
+        rows = [f"{step},loss,all,loss,{value}" for step, value in zip((0, 20), probe_losses)]
+        (run / "probes.csv").write_text("\n".join(["step,probe,layer,quantity,value", *rows]) + "\n")
+
+
+def relu_cbn_cell(root: Path) -> str:
+    table = build(LAYOUTS["cbn/table6"], load_summaries(root), expected=1)
+    return table.set_index("Method").loc["CBN", "ReLU"]
+
+
+def test_table6_stability_compares_the_loss_probe_at_step_0_and_the_end(tmp_path: Path) -> None:
+    # lr 1: the first epoch's mean loss (5.0) is above the final loss but the initial loss
+    # (1.5) is below it, a collapse; lr 0.1 lowers the loss and is the largest stable lr
+    write_lr_run(tmp_path, 1.0, first_epoch_loss=5.0, probe_losses=(1.5, 2.0))
+    write_lr_run(tmp_path, 0.1, first_epoch_loss=2.5, probe_losses=(2.3, 1.0))
+    assert relu_cbn_cell(tmp_path) == "50.10 (1) lr=0.1"
+
+
+def test_table6_needs_the_loss_probe(tmp_path: Path) -> None:
+    write_lr_run(tmp_path, 1.0, first_epoch_loss=5.0, probe_losses=None)
+    with pytest.raises(ConfigError, match=r"probes=\[loss\]"):
+        relu_cbn_cell(tmp_path)
+
+
+def test_timing_reads_training_seconds_from_the_time_probe(tmp_path: Path) -> None:
+    run = tmp_path / "bn16"
+    run.mkdir()
+    config = {"norm": {"name": "bn"}, "trainer": {"batch_size": 16, "seed": 0}}
+    summary = {"status": "completed", "steps_per_epoch": 10, "config": config}
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "metrics.csv").write_text("step,epoch,seconds\n15,1.5,30.0\n")  # wall clock, evaluation included
+    rows = [(10, "epoch_s", 4.0), (10, "epoch_steps", 10), (15, "epoch_s", 3.0), (15, "epoch_steps", 5)]
+    (run / "probes.csv").write_text("step,probe,layer,quantity,value\n"
+                                    + "".join(f"{s},time,all,{q},{v}\n" for s, q, v in rows))
+    table = build(LAYOUTS["bnp/timing"], load_summaries(tmp_path), expected=1).set_index("Method")
+    assert table.loc["BN", "batch 16"] == "4.67 (1)"  # (4 + 3) s / 15 steps x 10 steps per epoch

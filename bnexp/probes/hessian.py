@@ -14,7 +14,9 @@ and reports
 
 ``mu`` and ``s2`` are BNP's running statistics of the layer input (``rho``, ``eps1``,
 ``eps2`` from ``norm.bnp``, else ``probe.hessian.stats``), kept by the probe itself with
-:class:`bnexp.nn.BNPLayer`, so they equal BNP's in a BNP run and exist in a plain one.
+:class:`bnexp.nn.BNPLayer`, so they exist in a plain run too. In a single-process BNP run
+they equal BNP's; under torchrun BNP averages the batch statistics over the processes
+and the probe keeps this process's own.
 An eigenvalue is nonzero when its magnitude exceeds ``rtol`` times the largest one;
 ``rtol: null`` takes ``n * float64 eps`` (numpy's ``matrix_rank`` rule), n = matrix size.
 With a batch of N < n + 1 samples H has rank at most N, so the rule matters.

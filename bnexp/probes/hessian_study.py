@@ -40,7 +40,7 @@ def main(options: dict[str, str], overrides: list[str]) -> None:
     out = Path(options["out"])
     frame = study(list_option(options["norms"], str), out, overrides)
     table = frame.pivot_table(index=["run", "step"], columns="quantity", values="value", sort=False).reset_index()
-    table.rename(columns={"run": "norm"}).to_csv(out / "hessian.csv", index=False)
+    table.rename(columns={"run": "norm"}).astype({"rank_hessian": int}).to_csv(out / "hessian.csv", index=False)
     draw_hessian(frame, out, "hessian.png")
     print(f"wrote {out / 'hessian.csv'} and {out / 'hessian.png'}", flush=True)
 

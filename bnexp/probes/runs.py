@@ -12,10 +12,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from bnexp.commands import exit_on_error, split_options
 from bnexp.errors import ConfigError
-from bnexp.report.presets import hydra_session
+from bnexp.report.presets import hydra_session, lr_not_applicable, skip_reason
 
 T = TypeVar("T")
-FINISHED = ("completed", "diverged")  # a diverged run is a result too: it is not trained again
 
 
 def compose_config(overrides: Sequence[str]) -> DictConfig:
@@ -33,24 +32,32 @@ def list_option(text: str, convert: Callable[[str], T]) -> list[T]:
         raise ConfigError(f"cannot read {text!r} as a list: {err}") from None
 
 
+def result_settings(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config less ``trainer.resume``, which does not change a run's result."""
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    settings.get("trainer", {}).pop("resume", None)
+    return settings
+
+
 def run_or_reuse(cfg: DictConfig, run_dir: Path) -> tuple[dict[str, Any], bool]:
     """Train ``cfg`` in ``run_dir`` unless a finished run of the same config is there.
 
-    Returns the run's summary and whether it was reused. An unfinished run of the same
-    config resumes from its checkpoint; a directory holding another config is an error
-    (the study's results would mix two settings).
+    Returns the run's summary and whether it was reused. As in a sweep
+    (:func:`bnexp.report.presets.skip_reason`), a completed or diverged run is reused unless
+    ``trainer.resume=never``, and an unfinished one resumes from its checkpoint. A directory
+    holding another config is an error (the study's results would mix two settings).
     """
     from bnexp.trainer import train
 
     saved = run_dir / "config.yaml"
-    if saved.is_file() and OmegaConf.to_container(OmegaConf.load(saved)) != OmegaConf.to_container(cfg, resolve=True):
+    if saved.is_file() and result_settings(OmegaConf.load(saved)) != result_settings(cfg):
         raise ConfigError(f"{run_dir} holds a run with another config; use another out= directory or remove it")
-    summary_path = run_dir / "summary.json"
-    if summary_path.is_file():
-        summary = json.loads(summary_path.read_text())
-        if summary.get("status") in FINISHED:
-            return summary, True
-    return train(cfg, run_dir), False
+    reason = skip_reason(cfg, run_dir)
+    if reason is None:
+        return train(cfg, run_dir), False
+    if lr_not_applicable(cfg):
+        raise ConfigError(f"cannot train {run_dir}: {reason}; set optim.lr")
+    return json.loads((run_dir / "summary.json").read_text()), True
 
 
 def run_command(main: Callable[[dict[str, str], list[str]], None], args: list[str], defaults: dict[str, str]) -> None:

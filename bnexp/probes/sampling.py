@@ -20,7 +20,6 @@ from torch.utils.data import Dataset, default_collate
 
 from bnexp.callbacks import TrainState
 from bnexp.checkpoint import capture_rng, restore_rng
-from bnexp.data import build_data
 from bnexp.errors import ConfigError
 from bnexp.nn import set_learning_rate
 from bnexp.probes.callback import FixedWeightProbe
@@ -94,9 +93,10 @@ def draw_batches(data: Dataset, count: int, batch_size: int, device: torch.devic
 class SampledProbe(FixedWeightProbe):
     """A fixed-weight probe measured on ``k`` batches of its own from the training set.
 
-    The batches come from a generator seeded by (``trainer.seed``, probe name, step), or
-    without the step when ``fresh_batches`` is False (the same batches every time), so the
-    training data stream is untouched and a rerun measures the same batches.
+    The batches come from the trainer's training set (``state.train_data``, its training
+    transform included) through a generator seeded by (``trainer.seed``, probe name,
+    step), or without the step when ``fresh_batches`` is False (the same batches every
+    time), so the training data stream is untouched and a rerun measures the same batches.
     """
 
     fresh_batches = True
@@ -108,11 +108,11 @@ class SampledProbe(FixedWeightProbe):
         if self.k < 1 or self.batch_size < 1:
             raise ConfigError(f"probe.{self.name}.k and batch_size must be at least 1, got {self.k}, {self.batch_size}")
         self.seed = int(cfg.trainer.seed)
-        self.data_cfg = cfg.data
 
     def on_train_start(self, state: TrainState) -> None:
-        with preserved_rng():
-            self.data = build_data(self.data_cfg).train
+        if state.train_data is None:
+            raise ConfigError(f"probe {self.name} draws training batches and this run has no training set")
+        self.data = state.train_data
 
     def measure(self, state: TrainState, step: int) -> None:
         words = (self.seed, name_word(self.name), step) if self.fresh_batches else (self.seed, name_word(self.name))

@@ -1,4 +1,5 @@
-"""Run outputs into pandas: one row per summary.json, one frame per metrics.csv."""
+"""Run outputs into pandas: one row per summary.json, one frame per metrics.csv, the time
+probe's seconds per epoch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-STATUSES = ("completed", "diverged", "failed")
+from bnexp.probes.callback import read_probes
 
 
 def _flatten(prefix: str, node: Any, out: dict[str, Any]) -> None:
@@ -45,15 +46,10 @@ def load_metrics(run_dir: str | Path) -> pd.DataFrame:
     return pd.read_csv(path) if path.is_file() else pd.DataFrame()
 
 
-def seconds_per_epoch(run_dir: str | Path) -> float:
-    """Mean wall-clock seconds per epoch, from metrics.csv's last row."""
-    metrics = load_metrics(run_dir)
-    if metrics.empty or not metrics["epoch"].iloc[-1]:
-        return math.nan
-    return float(metrics["seconds"].iloc[-1] / metrics["epoch"].iloc[-1])
-
-
-def first_train_loss(run_dir: str | Path) -> float:
-    """The first training loss metrics.csv recorded (the loss before learning settles)."""
-    metrics = load_metrics(run_dir)
-    return float(metrics["train_loss"].iloc[0]) if not metrics.empty else math.nan
+def seconds_per_epoch(run_dir: str | Path, steps_per_epoch: float) -> float:
+    """Training seconds per epoch from the ``time`` probe (data loading and compute, no
+    evaluation or checkpoints): ``sum(epoch_s) / sum(epoch_steps) * steps_per_epoch``;
+    NaN when the run has no such rows."""
+    totals = read_probes(run_dir).query("probe == 'time'").groupby("quantity")["value"].sum()
+    steps = totals.get("epoch_steps", 0.0)
+    return float(totals["epoch_s"] / steps * steps_per_epoch) if steps else math.nan

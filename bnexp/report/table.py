@@ -15,12 +15,13 @@ from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
-from bnexp.errors import unknown_choice
-from bnexp.report.layouts import LAYOUTS, METRIC_LABELS, METRICS, Layout
 from bnexp.commands import exit_on_error
+from bnexp.errors import ConfigError, unknown_choice
+from bnexp.probes.lrsearch import collapsed, loss_endpoints
+from bnexp.report.layouts import LAYOUTS, METRIC_LABELS, METRICS, Layout
 from bnexp.report.presets import parse_command, plan
 from bnexp.report.reference import published
-from bnexp.report.results import first_train_loss, load_summaries, seconds_per_epoch
+from bnexp.report.results import load_summaries, seconds_per_epoch
 
 FORMATS = ("markdown", "latex", "csv")
 LEGEND = ("cell: mean ± std (completed runs; diverged, failed and missing runs); "
@@ -94,11 +95,21 @@ def best_choice(runs: pd.DataFrame, key: str, metric: str, seed: str = "trainer.
     return max(sorted(means), key=lambda v: means[v])
 
 
+def run_collapsed(status: str, run_dir: str) -> bool:
+    """``bnexp lrsearch``'s collapse rule on a run's ``loss`` probe (step 0 vs final weights)."""
+    if status != "completed":
+        return True
+    initial, final = loss_endpoints(Path(run_dir))
+    if math.isnan(initial):
+        raise ConfigError(f"{run_dir} has no step-0 rows of the loss probe in probes.csv, which the stability "
+                          "rule needs: train it with probes=[loss] (experiment=cbn/table6 does)")
+    return collapsed(status, initial, final)
+
+
 def largest_stable(runs: pd.DataFrame, key: str, metric: str) -> Any:
-    """The largest value whose runs all completed with a final training loss below the first."""
+    """The largest value none of whose runs collapsed (:func:`run_collapsed`)."""
     for value, group in sorted(runs.groupby(key), key=lambda item: -float(item[0])):
-        first = group["run_dir"].map(first_train_loss)
-        if (group["status"] == "completed").all() and (group["final_train_loss"].astype(float) < first).all():
+        if not any(run_collapsed(status, run_dir) for status, run_dir in zip(group["status"], group["run_dir"])):
             return value
     return None
 
@@ -153,7 +164,8 @@ def combos(axes: Sequence[Any]) -> list[dict[str, Any]]:
 def with_metrics(frame: pd.DataFrame, layout: Layout) -> pd.DataFrame:
     """Add the derived metric columns a layout needs (seconds per epoch)."""
     if "seconds_per_epoch" in layout.metrics and "run_dir" in frame:
-        frame = frame.assign(seconds_per_epoch=frame["run_dir"].map(seconds_per_epoch))
+        steps = frame.get("steps_per_epoch", pd.Series(math.nan, index=frame.index))
+        frame = frame.assign(seconds_per_epoch=[seconds_per_epoch(run, n) for run, n in zip(frame["run_dir"], steps)])
     return frame
 
 
