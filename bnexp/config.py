@@ -9,6 +9,7 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
+from bnexp.distributed import Dist, split_batch
 from bnexp.errors import ConfigError, unknown_choice
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -61,9 +62,7 @@ def validate(cfg: DictConfig) -> None:
     _number(cfg, "optim.weight_decay", lambda v: v >= 0, "a number >= 0")
     _number(cfg, "trainer.batch_size", lambda v: v >= 1, "an integer >= 1", integer=True)
     _number(cfg, "trainer.nproc", lambda v: v >= 1, "an integer >= 1", integer=True)
-    if cfg.trainer.batch_size % cfg.trainer.nproc:
-        raise ConfigError(f"trainer.batch_size={cfg.trainer.batch_size} is not divisible by the "
-                          f"{cfg.trainer.nproc} processes of trainer.nproc; the global batch is split evenly")
+    split_batch(cfg.trainer.batch_size, Dist(world_size=cfg.trainer.nproc))
     _number(cfg, "trainer.epochs", lambda v: v >= 0, "a number >= 0")
     if cfg.trainer.max_steps is not None:
         _number(cfg, "trainer.max_steps", lambda v: v >= 1, "an integer >= 1 (or null)", integer=True)

@@ -15,6 +15,7 @@ What plain DDP does not cover, bnexp does here:
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -70,11 +71,15 @@ def init_process_group(d: Dist, device: torch.device) -> None:
 
 
 def split_batch(global_batch: int, d: Dist) -> int:
-    """Per-process batch size: ``trainer.batch_size`` stays the global batch, as in the papers."""
+    """Per-process batch size: ``trainer.batch_size`` stays the global batch, as in the papers.
+
+    Also checked by ``config.validate`` with ``trainer.nproc`` processes, before any launch.
+    """
     if global_batch % d.world_size:
         raise ConfigError(
-            f"trainer.batch_size={global_batch} is not divisible by the {d.world_size} processes; "
-            "choose a global batch that is a multiple of trainer.nproc"
+            f"trainer.batch_size={global_batch} is not divisible by the {d.world_size} processes; the global "
+            "batch is split evenly, so choose a multiple of the number of processes "
+            "(trainer.nproc, or torchrun's nnodes x nproc_per_node)"
         )
     return global_batch // d.world_size
 
@@ -90,13 +95,26 @@ def sum_over_ranks(t: Tensor) -> Tensor:
     return t
 
 
+@functools.cache
+def _host_group() -> dist.ProcessGroup | None:
+    """A gloo group over all processes when the default group is nccl (None: use the default).
+
+    Collective: every rank must make the first call at the same point (the first step).
+    """
+    return dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
+
+
 def max_over_ranks(value: int) -> int:
-    """The largest ``value`` over the processes (``value`` itself in a single process)."""
+    """The largest ``value`` over the processes (``value`` itself in a single process).
+
+    Called every training step (the preemption check), so under nccl it goes through a gloo
+    group on a CPU tensor: an nccl all-reduce would need a CUDA tensor and ``.item()``, a
+    host-device sync every step.
+    """
     if world_size() == 1:
         return value
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_host_group())
     return int(t.item())
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 from bnexp.data import build_data
@@ -154,7 +155,8 @@ def test_unreadable_image_skipped(bad_jpeg: Path, caplog: pytest.LogCaptureFixtu
     bundle = build_data(imagenet_cfg(bad_jpeg.parents[2], bad_images="skip"))
     images = [image for image, _ in bundle.train]
     assert len(images) == 6 and bundle.skipped_images == ()
-    assert (images[1] == images[2]).all()  # the next readable image stands in for it
+    assert (images[1] == images[2]).all()  # the next readable image in index order stands in for it
+    assert all(not torch.equal(images[i], images[j]) for i in range(6) for j in range(i) if (i, j) != (2, 1))
     assert f"unreadable image {bad_jpeg}" in caplog.text and "serving the next readable image" in caplog.text
 
 

@@ -171,16 +171,18 @@ def test_npz_needs_a_path(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- ImageNet
 
 COLORS = {"n01440764": (200, 30, 60), "n01443537": (20, 180, 90)}
+SHADE = 20  # per image of a class, so that every image is distinct
 
 
 def write_image_folders(root: Path, per_class: int = 3) -> None:
-    """root/{train,val}/<wnid>/*.JPEG, each image one flat color per class."""
+    """root/{train,val}/<wnid>/<wnid>_<i>.JPEG, each image flat in its class color brightened by SHADE * i."""
     for split in ("train", "val"):
         for wnid, color in COLORS.items():
             folder = root / split / wnid
             folder.mkdir(parents=True)
             for i in range(per_class):
-                Image.new("RGB", (40 + 4 * i, 30), color).save(folder / f"{wnid}_{i}.JPEG", quality=95)
+                shade = tuple(c + SHADE * i for c in color)
+                Image.new("RGB", (40 + 4 * i, 30), shade).save(folder / f"{wnid}_{i}.JPEG", quality=95)
 
 
 def imagenet_cfg(root: Path, **extra) -> dict:
@@ -261,3 +263,22 @@ def test_imagenet_aug_is_checked(tmp_path: Path) -> None:
     write_image_folders(tmp_path)
     with pytest.raises(ConfigError, match="data.aug"):
         build_data(imagenet_cfg(tmp_path, aug="autoaugment"))
+
+
+# ---------------------------------------------------------------- test split under torchrun
+
+
+def test_test_split_shared_between_ranks_on_both_loaders() -> None:
+    """Each of 2 ranks evaluates every 2nd test image, the same ones with data.loader=device and torch."""
+    bundle = build_data({"name": "synthetic", "num_classes": 3, "image_size": 8, "train_size": 8, "test_size": 7})
+    shares = {}
+    for kind in ("device", "torch"):
+        for rank in (0, 1):
+            cfg = {"loader": kind, "eval_batch_size": 3, "num_workers": 0, "pin_memory": False}
+            test = build_loaders(bundle, cfg, 4, 0, False, torch.device("cpu"), rank, 2).test
+            images, labels = zip(*test)
+            shares[kind, rank] = torch.cat(images), torch.cat(labels)
+    for rank in (0, 1):
+        assert torch.equal(shares["device", rank][0], shares["torch", rank][0])
+        assert shares["device", rank][1].tolist() == bundle.arrays.y_test[rank::2].tolist()
+    assert len(shares["device", 0][1]) + len(shares["device", 1][1]) == 7

@@ -130,9 +130,14 @@ class TrainBatches:
 
 
 def device_batches(data: ArrayData, cfg: Mapping[str, Any], sampler: EpochSampler, batch_size: int,
-                   device: torch.device) -> tuple[TrainBatches, EvalBatches]:
-    """Training and test batches of ``data`` made on ``device``; augmentation as ``data.augment``."""
+                   device: torch.device, test_share: range) -> tuple[TrainBatches, EvalBatches]:
+    """Training and test batches of ``data`` made on ``device``; augmentation as ``data.augment``.
+
+    Only this process's ``test_share`` of the test images (a strided range) is copied and evaluated.
+    """
     padding = int(cfg.get("padding", 4)) if cfg.get("augment", True) else None
     train = TrainBatches(DeviceSplit(data.x_train, data.y_train, data, device), sampler, batch_size, padding)
-    test = EvalBatches(DeviceSplit(data.x_test, data.y_test, data, device), int(cfg.get("eval_batch_size", 500)))
+    share = slice(test_share.start, test_share.stop, test_share.step)
+    test = EvalBatches(DeviceSplit(data.x_test[share], data.y_test[share], data, device),
+                       int(cfg.get("eval_batch_size", 500)))
     return train, test

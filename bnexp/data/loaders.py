@@ -109,9 +109,8 @@ def build_loaders(bundle: DataBundle, cfg: Mapping[str, Any], batch_size: int, s
     """Training batches drawn with replacement or shuffled (``data.sampling``); test in order.
 
     ``batch_size`` is per process. Under torchrun each process draws its own share of every
-    epoch (:class:`EpochSampler`) and evaluates every ``world_size``-th test image (the
-    on-device path evaluates the whole test set on each process; the trainer's sums are
-    ratios, so both give the same numbers).
+    epoch (:class:`EpochSampler`) and evaluates every ``world_size``-th test image, from its
+    rank on (the same images on both paths).
 
     ``data.loader`` picks the DataLoader path or the on-device one (:func:`loader_kind`).
     The DataLoader gets its own generator (for worker seeds) so creating an iterator never
@@ -119,15 +118,16 @@ def build_loaders(bundle: DataBundle, cfg: Mapping[str, Any], batch_size: int, s
     ``pin_memory`` is the caller's default; a non-null ``data.pin_memory`` overrides it.
     """
     sampler = EpochSampler(bundle.train, cfg.get("sampling", "with_replacement"), seed, rank, world_size)
+    test_share = range(rank, len(bundle.test), world_size)
     if loader_kind(bundle, cfg, device) == "device":
         assert bundle.arrays is not None  # checked by loader_kind
-        train, test = device_batches(bundle.arrays, cfg, sampler, batch_size, device)
+        train, test = device_batches(bundle.arrays, cfg, sampler, batch_size, device, test_share)
         return Loaders(train, test, sampler, batch_size, "device")
     workers = int(cfg.get("num_workers", 0))
     pin = pin_memory if cfg.get("pin_memory") is None else bool(cfg.get("pin_memory"))
     common: dict[str, Any] = dict(num_workers=workers, pin_memory=pin, persistent_workers=workers > 0)
     train_loader = DataLoader(bundle.train, batch_size=batch_size, sampler=sampler,
                               generator=torch.Generator().manual_seed(seed), **common)
-    test = bundle.test if world_size == 1 else Subset(bundle.test, range(rank, len(bundle.test), world_size))
+    test = bundle.test if world_size == 1 else Subset(bundle.test, test_share)
     test_loader = DataLoader(test, batch_size=int(cfg.get("eval_batch_size", 500)), shuffle=False, **common)
     return Loaders(train_loader, test_loader, sampler, batch_size)

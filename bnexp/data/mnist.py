@@ -24,20 +24,26 @@ from bnexp.data.arrays import ArrayData
 from bnexp.data.files import DataFile, DataFiles, check_labels, ensure_present, read_file, verify_release
 from bnexp.errors import DataError
 
-# The extracted files of torchvision's resources, with their official sizes: a 16-byte
-# header + 60000 (train) or 10000 (t10k) images of 28 x 28, an 8-byte header + as many labels.
-OFFICIAL_SIZES = {
-    "train-images-idx3-ubyte": 16 + 60000 * 28 * 28,
-    "train-labels-idx1-ubyte": 8 + 60000,
-    "t10k-images-idx3-ubyte": 16 + 10000 * 28 * 28,
-    "t10k-labels-idx1-ubyte": 8 + 10000,
-}
+SPLIT_SIZES = {"train": 60000, "t10k": 10000}  # images (and labels) per split of the release
 NUM_CLASSES = 10
+
+
+def _names(prefix: str) -> tuple[str, str]:
+    """The extracted image and label files of split ``prefix`` (``train`` or ``t10k``)."""
+    return f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte"
+
+
+# The official sizes: a 16-byte header + N images of 28 x 28, an 8-byte header + N labels.
+OFFICIAL_SIZES = {
+    name: size
+    for prefix, n in SPLIT_SIZES.items()
+    for name, size in zip(_names(prefix), (16 + n * 28 * 28, 8 + n))
+}
 
 
 def _files(root: Path) -> DataFiles:
     folder = root / "MNIST" / "raw"
-    names = [Path(url).stem for url, _ in MNIST.resources]
+    names = list(OFFICIAL_SIZES)
     holds = "MNIST/raw/ with " + ", ".join(names)
     return DataFiles("MNIST", folder, holds, tuple(DataFile(folder / n, size=OFFICIAL_SIZES[n]) for n in names))
 
@@ -63,7 +69,7 @@ def read_idx(path: Path, ndim: int) -> torch.Tensor:
 
 def _split(folder: Path, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The images (N x 1 x 28 x 28) and int64 labels of ``train`` or ``t10k``."""
-    images_path, labels_path = folder / f"{prefix}-images-idx3-ubyte", folder / f"{prefix}-labels-idx1-ubyte"
+    images_path, labels_path = (folder / name for name in _names(prefix))
     images, labels = read_idx(images_path, 3), read_idx(labels_path, 1)
     if len(images) != len(labels):
         raise DataError(
