@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from bnexp.commands import report
 from bnexp.config import config_dir, register_resolvers, validate
-from bnexp.errors import EXIT_CONFIG, EXIT_FAILED, BnexpError
+from bnexp.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED, BnexpError
 from bnexp.distributed import from_environment
 from bnexp.launch import rank_overrides
 from bnexp.preemption import Preempted
@@ -84,9 +84,10 @@ def _launch_processes(nproc: int, overrides: list[str], run_dir: Path, sweeping:
     from bnexp.sweep import job_status
 
     code = run_under_torchrun(nproc, overrides, run_dir)
-    log.info("%s: %d processes exited with %d, status %s", run_dir, nproc, code, job_status(run_dir)[0])
+    status = job_status(run_dir)[0]
+    log.info("%s: %d processes exited with %d, status %s", run_dir, nproc, code, status)
     if code != 0 and not sweeping:
-        sys.exit(code)
+        sys.exit(EXIT_PREEMPTED if status == "preempted" else code)  # as a one-process run exits
     return None
 
 

@@ -10,9 +10,12 @@ the same config; ranks other than 0 write nothing (see :func:`rank_overrides`).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from bnexp.preemption import PreemptionGuard
 
 
 def rank_overrides() -> list[str]:
@@ -32,5 +35,14 @@ def torchrun_command(nproc: int, overrides: list[str], run_dir: Path) -> list[st
 
 
 def run_under_torchrun(nproc: int, overrides: list[str], run_dir: Path) -> int:
-    """Start the processes, wait for them, and return torchrun's exit code."""
-    return subprocess.run(torchrun_command(nproc, overrides, run_dir)).returncode
+    """Start the processes, wait for them, and return torchrun's exit code.
+
+    A preemption signal reaching this process goes on to torchrun as SIGTERM, which torchrun
+    hands to every rank: they checkpoint at the same step and stop. The handler installed
+    before bnexp's (submitit's requeue) then runs here, once the checkpoint is on disk.
+    """
+    child = subprocess.Popen(torchrun_command(nproc, overrides, run_dir))
+    with PreemptionGuard(on_signal=lambda _: child.send_signal(signal.SIGTERM)) as guard:
+        code = child.wait()
+        guard.forward()
+    return code

@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import threading
 from types import FrameType
-from typing import Any
+from typing import Any, Callable
 
 from bnexp.distributed import max_over_ranks
 from bnexp.errors import EXIT_PREEMPTED
@@ -31,15 +31,22 @@ class Preempted(Exception):
 
 
 class PreemptionGuard:
-    """Context manager recording the first preemption signal received."""
+    """Context manager recording the first preemption signal received.
 
-    def __init__(self) -> None:
+    ``on_signal`` (optional) is called with that signal as it arrives; the process that
+    launches torchrun uses it to pass the signal on to the ranks.
+    """
+
+    def __init__(self, on_signal: Callable[[int], None] | None = None) -> None:
         self.signum: int | None = None
+        self.on_signal = on_signal
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
+            if self.on_signal is not None:
+                self.on_signal(signum)
 
     def __enter__(self) -> "PreemptionGuard":
         if threading.current_thread() is threading.main_thread():

@@ -184,3 +184,17 @@ def test_sweep_survives_failed_and_diverged_cells(tmp_path: Path, capsys: pytest
                if p.stat().st_mtime_ns != stamps[p.parent.name]}
     assert changed == {name for name, status in statuses.items() if status == "failed"}
     assert "3 cells: 0 completed, 0 diverged, 1 failed, 2 skipped" in out
+
+
+def test_sigterm_to_the_torchrun_launcher_reaches_the_ranks(tmp_path: Path) -> None:
+    """trainer.nproc=2: the signal goes to the launching process only (plain sbatch with B:)."""
+    run_dir = tmp_path / "run"
+    command = [*cli_command(run_dir, 100_000), "trainer.nproc=2", "trainer.batch_size=8"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_checkpoint(run_dir, proc, 2, timeout=300)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "preempted" and summary["world_size"] == 2
+    assert checkpoint.load(checkpoint.periodic_checkpoints(run_dir)[0])["step"] == summary["steps"]
