@@ -15,11 +15,16 @@ from typing import Any, Callable, Mapping, Optional
 from torch import nn
 
 from bnexp.errors import ConfigError, unknown_choice
+from bnexp.nn.family import AMAT_UPDATES, BEFORE_FORWARD
 from bnexp.registry import Registry
 
 AFTER_OP = "after_op"
 BEFORE_OP = "before_op"
 PLACEMENTS = (AFTER_OP, BEFORE_OP)
+# Where a before_op residual block's shortcut joins (METHODS.md section 1, norm.join):
+AFTER_ACT = "after_act"  # shortcut + act(h): the CBN paper's eq. 7
+BEFORE_ACT = "before_act"  # act(h + shortcut): the standard ResNet join, kept by POP-Norm
+JOINS = (AFTER_ACT, BEFORE_ACT)
 
 # (num_features, dim) -> module, where dim is 1 (features) or 2 (images).
 NormMaker = Callable[[int, int], nn.Module]
@@ -35,10 +40,22 @@ class NormSpec:
     placement: str
     op_bias: bool
     maker: Optional[NormMaker]
+    join: str = AFTER_ACT  # before_op residual joins (norm.join)
+    classifier: bool = True  # before_op: a normalization in front of the final Linear (norm.classifier)
 
     @property
     def enabled(self) -> bool:
         return self.maker is not None
+
+    @property
+    def shortcut_after_act(self) -> bool:
+        """Whether residual shortcuts join after the block's last activation (before_op, after_act)."""
+        return self.placement == BEFORE_OP and self.join == AFTER_ACT
+
+    @property
+    def normalizes_classifier(self) -> bool:
+        """Whether the final Linear gets a normalization in front (before_op with norm.classifier)."""
+        return self.enabled and self.placement == BEFORE_OP and self.classifier
 
     def make(self, num_features: int, dim: int) -> nn.Module:
         """A normalization over ``num_features`` channels, or Identity when disabled."""
@@ -76,8 +93,10 @@ def _family(cfg: Mapping[str, Any]) -> NormMaker:
         from bnexp.nn import NormFamily1d, NormFamily2d
 
         cls = NormFamily1d if dim == 1 else NormFamily2d
+        amat = {"amat_eta": amat_eta(cfg), "amat_update": cfg.get("amat_update", BEFORE_FORWARD),
+                "amat_r_max": amat_r_max(cfg)} if cfg["amat"] else {}
         module = cls(num_features, **{key: cfg[key] for key in BN_FLAGS}, eps=cfg["eps"], momentum=cfg["momentum"],
-                     amat_eta=amat_eta(cfg))
+                     **amat)
         return with_sync(module, cfg)
 
     return make
@@ -90,6 +109,16 @@ def amat_eta(cfg: Mapping[str, Any]) -> Optional[float]:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ConfigError(f"norm.amat_eta={value!r} is not valid: use adaptive or a number in [0, 1]")
+    return float(value)
+
+
+def amat_r_max(cfg: Mapping[str, Any]) -> Optional[float]:
+    """``norm.amat_r_max``: null (the paper's unclipped ``r_mu``) or a positive bound."""
+    value = cfg.get("amat_r_max")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"norm.amat_r_max={value!r} is not valid: use null (unclipped) or a number > 0")
     return float(value)
 
 
@@ -143,10 +172,19 @@ def build_norm_spec(cfg: Mapping[str, Any]) -> NormSpec:
     placement = cfg.get("placement", AFTER_OP)
     if placement not in PLACEMENTS:
         raise unknown_choice("norm.placement", placement, PLACEMENTS)
+    join = cfg.get("join", AFTER_ACT)
+    if join not in JOINS:
+        raise unknown_choice("norm.join", join, JOINS)
+    classifier = cfg.get("classifier", True)
+    if not isinstance(classifier, bool):
+        raise ConfigError(f"norm.classifier must be true or false, got {classifier!r}")
+    if cfg.get("amat") and cfg.get("amat_update", BEFORE_FORWARD) not in AMAT_UPDATES:
+        raise unknown_choice("norm.amat_update", cfg["amat_update"], AMAT_UPDATES)
     maker = NORM_KINDS.get(cfg["kind"])(cfg)
     op_bias = cfg.get("op_bias")
     if op_bias is None:
         op_bias = maker is None
     if not isinstance(op_bias, bool):
         raise ConfigError(f"norm.op_bias must be true, false or null, got {op_bias!r}")
-    return NormSpec(name=cfg.get("name", cfg["kind"]), placement=placement, op_bias=op_bias, maker=maker)
+    return NormSpec(name=cfg.get("name", cfg["kind"]), placement=placement, op_bias=op_bias, maker=maker,
+                    join=join, classifier=classifier)

@@ -53,24 +53,33 @@ SYNC = [*BASE, "trainer.batch_size=16", "data.train_size=64", "trainer.max_steps
         "data.augment=false", "norm.sync=true", "optim.lr=0.005"]  # small lr: AMAT stays well conditioned
 
 
-SYNCED = ("bn", "cbn", "bnp")
+SYNCED = {norm: [f"norm={norm}"] for norm in ("bn", "cbn", "bnp")}
+# CBN's stem normalizes mean/std-normalized images, whose batch means are noise around 0, so
+# an unclipped r_mu = mu_A / mu_B reaches |r_mu| = 18 here by step 7 and amplifies the float32
+# rounding differences of summing over one or two processes (4e-5 in the weights by step 10;
+# 2e-6 when clipped). This test checks the synchronized arithmetic, not that amplification.
+SYNCED["cbn"].append("norm.amat_r_max=3")
+# BNP with one sample per process: the shares' statistics pool into those of the batch of 2.
+SYNCED["bnp_batch1"] = ["norm=bnp", "model=mlp3x100", "trainer.batch_size=2"]
 
 
 @pytest.fixture(scope="module")
 def synced(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sync")
-    run_two_processes(out, {norm: [*SYNC, f"norm={norm}"] for norm in SYNCED})
+    run_two_processes(out, {name: [*SYNC, *extra] for name, extra in SYNCED.items()})
     return out
 
 
 @pytest.mark.parametrize("norm", SYNCED)
 def test_synced_two_processes_match_one(synced: Path, tmp_path: Path, norm: str) -> None:
-    single = train(compose_cfg([*SYNC, f"norm={norm}"]), tmp_path / "one")
+    single = train(compose_cfg([*SYNC, *SYNCED[norm]]), tmp_path / "one")
     assert single["status"] == "completed"
     two = torch.load(synced / f"{norm}.rank0.pt")
-    one = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
+    state = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)
+    bnp = [v for k, v in state["callbacks"].items() if k.endswith(":BnpPreconditioner")]
+    one = {**state["model"], **{f"bnp.{k}": v for part in bnp for k, v in part.items()}}
     params = [k for k in one if one[k].is_floating_point()]
-    assert params
+    assert params and (any(k.startswith("bnp.") for k in params) == norm.startswith("bnp"))
     for key in params:
         torch.testing.assert_close(two[key], one[key], atol=1e-5, rtol=1e-5, msg=key)
 

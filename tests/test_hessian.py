@@ -70,7 +70,7 @@ def test_bnp_preconditioning_lowers_the_condition_number_of_badly_scaled_inputs(
     linear = nn.Linear(10, 4).double()
     nn.init.zeros_(linear.weight)  # unsaturated softmax: H is a multiple of the inputs' Gram matrix
     stats = BNPLayer("fc", linear, rho=0.0, eps1=1e-2, eps2=1e-4)  # rho = 0: this batch's statistics
-    stats.update(*stats.batch_stats(h))
+    stats.observe(h)
     hessian = output_neuron_hessian(h, linear.weight, linear.bias, 0)
     p = stats.matrix()
     assert condition_number(p.T @ hessian @ p) < condition_number(hessian) / 100

@@ -48,7 +48,8 @@ def test_amat_gets_every_steps_lr_through_warmup_and_decay(tmp_path: Path) -> No
     lrs = [lr for lr, _ in recorder.seen]
     assert lrs == pytest.approx([0.005] * 3 + [0.05] * 3 + [0.005] * 3)
     for lr, etas in recorder.seen:
-        assert len(etas) == 19 and etas == pytest.approx([max(1 - 10 * lr, 0.0)] * 19)
+        # 19 before-op normalizations and the classifier's (METHODS.md section 1)
+        assert len(etas) == 20 and etas == pytest.approx([max(1 - 10 * lr, 0.0)] * 20)
 
 
 def test_fixed_amat_eta(tmp_path: Path) -> None:

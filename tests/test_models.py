@@ -18,7 +18,7 @@ PLACEMENTS = ["after_op", "before_op"]
 
 def build(model: str, placement: str, act: str = "relu", norm: dict = BN, tiny: bool = True) -> nn.Module:
     cfg = TINY[model] if tiny else {"name": model}
-    return build_model(cfg, {**norm, "placement": placement}, act, DataSpec(10, 3, 32))
+    return build_model(cfg, {**norm, "placement": placement}, act, DataSpec(10, 3, 32 if model == "vgg16" else 8))
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS.names())
@@ -36,18 +36,24 @@ def test_forward_backward(model: str, placement: str, act: str) -> None:
 
 
 def channels(op: nn.Module, side: str) -> int:
-    return op.in_channels if side == "in" else op.out_channels if isinstance(op, nn.Conv2d) else (
-        op.in_features if side == "in" else op.out_features)
+    if isinstance(op, nn.Conv2d):
+        return op.in_channels if side == "in" else op.out_channels
+    return op.in_features if side == "in" else op.out_features
 
 
+@pytest.mark.parametrize("classifier", [True, False])
 @pytest.mark.parametrize("model", sorted(TINY))
-def test_relocation_rule(model: str) -> None:
-    after, before = (normalized_ops(build(model, p)) for p in PLACEMENTS)
-    assert [n for n, _ in after] == [n for n, _ in before]
+def test_relocation_rule(model: str, classifier: bool) -> None:
+    """The same ops carry a normalization in both placements, plus the classifier in
+    before_op with norm.classifier (METHODS.md section 1)."""
+    norm = {**BN, "classifier": classifier}
+    after, before = (normalized_ops(build(model, p, norm=norm)) for p in PLACEMENTS)
+    assert [n for n, _ in after] + (["fc"] if classifier else []) == [n for n, _ in before]
     expected = {"resnet20": 19, "vgg16": 13}[model]
     assert len(after) == expected
-    norms = {p: [m for m in build(model, p).modules() if isinstance(m, nn.BatchNorm2d)] for p in PLACEMENTS}
-    assert len(norms["after_op"]) == len(norms["before_op"]) == expected
+    norms = {p: [m for m in build(model, p, norm=norm).modules() if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d))]
+             for p in PLACEMENTS}
+    assert len(norms["after_op"]) == expected and len(norms["before_op"]) == expected + classifier
     for _, unit in after:
         assert isinstance(unit.pre, nn.Identity) and unit.post.num_features == channels(unit.op, "out")
     for _, unit in before:
@@ -55,8 +61,10 @@ def test_relocation_rule(model: str) -> None:
 
 
 def test_before_op_stem_normalizes_input_channels() -> None:
-    net = build("resnet20", "before_op")
+    net = build("resnet20", "before_op", norm={**BN, "classifier": False})
     assert net.stem.pre.num_features == 3 and isinstance(net.fc.pre, nn.Identity)
+    net = build("resnet20", "before_op")
+    assert isinstance(net.fc.pre, nn.BatchNorm1d) and net.fc.pre.num_features == net.fc.op.in_features == 16
 
 
 def test_resnet20_parameter_count() -> None:
@@ -70,10 +78,24 @@ def test_no_norm_keeps_biases() -> None:
     assert not any(isinstance(m, nn.BatchNorm2d) for m in net.modules())
 
 
-def test_residual_join_by_placement() -> None:
-    """after_op: act(h + shortcut); before_op: shortcut + act(h)."""
+def test_residual_join() -> None:
+    """shortcut_after_act: shortcut + act(h); otherwise act(h + shortcut); no act: the sum."""
     from bnexp.models.layers import ResidualJoin
 
     h, s = torch.tensor([-2.0, 1.0]), torch.tensor([1.0, -3.0])
-    assert torch.equal(ResidualJoin("after_op", nn.ReLU())(h, s), torch.relu(h + s))
-    assert torch.equal(ResidualJoin("before_op", nn.ReLU())(h, s), s + torch.relu(h))
+    assert torch.equal(ResidualJoin(False, nn.ReLU())(h, s), torch.relu(h + s))
+    assert torch.equal(ResidualJoin(True, nn.ReLU())(h, s), s + torch.relu(h))
+    assert torch.equal(ResidualJoin(True, None)(h, s), h + s)
+
+
+@pytest.mark.parametrize("join", ["after_act", "before_act"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_residual_block_joins_by_placement_and_norm_join(placement: str, join: str) -> None:
+    """A ResNet-20 block: before_op with after_act adds the shortcut after the last
+    activation (CBN eq. 7); before_act, and every after_op block, adds it before."""
+    net = build("resnet20", placement, act="tanh", norm={**BN, "join": join}).eval()
+    block = net.blocks[1]  # identity shortcut
+    x = torch.randn(2, 4, 8, 8)
+    h = block.conv2(block.act1(block.conv1(x)))
+    expected = x + torch.tanh(h) if (placement, join) == ("before_op", "after_act") else torch.tanh(h + x)
+    torch.testing.assert_close(block(x), expected)

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from bnexp.models import MODELS, DataSpec, build_model, count_parameters
-from bnexp.models.layers import NormOp, normalized_ops
+from bnexp.models.layers import NormOp, ResidualJoin, normalized_ops
+from bnexp.nn import NormFamily1d
 from bnexp.norms import build_norm_spec
 
 NORM_DIR = Path(__file__).resolve().parents[1] / "configs" / "norm"
@@ -135,11 +136,12 @@ def test_cifar_resnet_parameter_counts(depth: int, millions: float) -> None:
 
 @pytest.mark.parametrize("name", sorted(NORMALIZED))
 def test_relocation_rule(name: str) -> None:
-    """Same normalized ops in both placements; N has the op's output channels after it and
-    its input channels in front of it; a before_op projection shortcut shares its block's N1."""
+    """Same normalized ops in both placements, plus the classifier in before_op (the bn
+    preset's norm.classifier=true); N has the op's output channels after it and its input
+    channels in front of it; a before_op projection shortcut shares its block's N1."""
     after, before = (build(name, placement=p) for p in PLACEMENTS)
     ops_after, ops_before = normalized_ops(after), normalized_ops(before)
-    assert [n for n, _ in ops_after] == [n for n, _ in ops_before]
+    assert [n for n, _ in ops_after] + ["fc"] == [n for n, _ in ops_before]
     assert len(ops_after) == NORMALIZED[name]
     for _, unit in ops_after:
         assert isinstance(unit.pre, nn.Identity) and norm_channels(unit.post) == op_channels(unit.op, "out")
@@ -155,7 +157,45 @@ def test_relocation_rule(name: str) -> None:
     assert norm_count(after) == len(ops_after)
     assert norm_count(before) == len(ops_before) - shared
     if name == "resnet20":
-        assert norm_count(after) == norm_count(before) == 19
+        assert norm_count(after) == 19 and norm_count(before) == 20
+
+
+@pytest.mark.parametrize("name", sorted(NORMALIZED))
+@pytest.mark.parametrize("classifier", [True, False])
+def test_classifier_normalization(name: str, classifier: bool) -> None:
+    """norm.classifier puts a 1d normalization of the pooled features in front of the final
+    Linear in before_op models only; the Linear keeps its bias either way."""
+    for placement in PLACEMENTS:
+        fc = build(name, {**BN, "classifier": classifier}, placement).fc
+        assert isinstance(fc.op, nn.Linear) and fc.op.bias is not None and isinstance(fc.post, nn.Identity)
+        if classifier and placement == "before_op":
+            assert isinstance(fc.pre, nn.BatchNorm1d) and fc.pre.num_features == fc.op.in_features
+        else:
+            assert isinstance(fc.pre, nn.Identity)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "efficientnet_b0"])
+@pytest.mark.parametrize("join", ["after_act", "before_act"])
+def test_norm_join_reaches_every_residual_block(name: str, join: str) -> None:
+    """Every residual join of a before_op model follows norm.join; after_op ones never add
+    the shortcut after the activation; EfficientNet's linear bottlenecks have no activation."""
+    for placement in PLACEMENTS:
+        joins = [m for m in build(name, {**BN, "join": join}, placement).modules() if isinstance(m, ResidualJoin)]
+        assert joins
+        after_act = placement == "before_op" and join == "after_act"
+        assert all(j.shortcut_after_act == after_act for j in joins)
+        if name == "efficientnet_b0":
+            assert all(isinstance(j.act, nn.Identity) for j in joins)
+
+
+def test_popnorm_and_cbn_presets_build_their_papers_networks() -> None:
+    """POP-Norm: the standard join, no classifier normalization; CBN: eq. 7 and a CBN in
+    front of the classifier (METHODS.md section 1)."""
+    pop, cbn = (build("resnet20", preset(name), "before_op") for name in ("popnorm", "cbn"))
+    assert all(not j.shortcut_after_act for j in pop.modules() if isinstance(j, ResidualJoin))
+    assert isinstance(pop.fc.pre, nn.Identity)
+    assert all(j.shortcut_after_act for j in cbn.modules() if isinstance(j, ResidualJoin))
+    assert isinstance(cbn.fc.pre, NormFamily1d) and cbn.fc.pre.amat and cbn.fc.pre.decouple
 
 
 def test_projection_shortcut_reads_the_blocks_normalized_input() -> None:

@@ -308,6 +308,7 @@ def conv_bn_si():
 COMPILED = {
     "family_decoupled": (lambda: NormFamily2d(3, decouple=True, rho=2.0), True),
     "cbn_amat": (lambda: CBN2d(3), True),
+    "cbn_amat_printed_order_clipped": (lambda: CBN2d(3, amat_update="after_forward", amat_r_max=0.95), True),
     "popnorm": (lambda: POPNorm2d(3), True),
     "brn_ramp": (lambda: BatchRenorm2d(3, ramp_steps=2), False),
     "bn_si": (conv_bn_si, False),

@@ -254,7 +254,9 @@ def test_norm_statistics_are_float32_under_autocast() -> None:
 
 
 @pytest.mark.parametrize("flags", [{}, {"center": False}, {"decouple": True, "rho": 4.0}, {"amat": True},
-                                   {"amat": True, "decouple": True, "rho": 0.5}])
+                                   {"amat": True, "decouple": True, "rho": 0.5},
+                                   {"amat": True, "amat_update": "after_forward"},
+                                   {"amat": True, "decouple": True, "amat_r_max": 0.95}])
 def test_closed_form_backward_matches_autograd_path(flags: dict) -> None:
     # The autograd path serves norm.sync; the closed form serves every other scaled member.
     # Over several AMAT steps (ratios != 1), outputs and all gradients agree in float64.

@@ -10,7 +10,7 @@
   a 32x32 image reaches the first dense layer as 32 x 4 x 4 and a 28x28 one as 32 x 3 x 3.
 
 Every hidden layer and every conv is a normalized op followed by ``act``; the output
-layer is not normalized.
+layer is the classifier (normalized in front only in ``before_op`` with ``norm.classifier``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class MLP(nn.Module):
             layers += [b.linear(fin, width, normalize=True), b.act()]
             fin = width
         self.hidden = nn.Sequential(*layers)
-        self.fc = b.linear(fin, num_classes)
+        self.fc = b.classifier(fin, num_classes)
         glorot_uniform_init(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ class CNN5(nn.Module):
         )
         side = cnn5_map_size(image_size, padding)
         self.dense = nn.Sequential(b.linear(width * side * side, 2 * width, normalize=True), b.act())
-        self.fc = b.linear(2 * width, num_classes)
+        self.fc = b.classifier(2 * width, num_classes)
         glorot_uniform_init(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ class EfficientNet(nn.Module):
         self.features = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.dropout = nn.Dropout(dropout)
-        self.fc = b.linear(4 * cin, num_classes)
+        self.fc = b.classifier(4 * cin, num_classes)
         self._init_weights()
 
     def _init_weights(self) -> None:

@@ -3,7 +3,10 @@
 METHODS.md section 1. With ``after_op`` a normalized op computes ``N(op(x))``; with
 ``before_op`` it computes ``op(N(x))`` where ``N`` has the op's input channel count.
 Models never test the placement themselves: they build :class:`NormOp` units through a
-:class:`LayerBuilder` and join residual branches with :class:`ResidualJoin`.
+:class:`LayerBuilder`, their final Linear through :meth:`LayerBuilder.classifier`, and join
+residual branches with :class:`ResidualJoin`. Two settings shape ``before_op`` networks:
+``norm.join`` (where a shortcut joins) and ``norm.classifier`` (a normalization in front of
+the final Linear); ``after_op`` networks ignore both.
 
 A projection shortcut in ``before_op`` reads its block's first normalized input instead of
 owning a normalization: the set of normalized ops (:func:`normalized_ops`) is the same in
@@ -56,20 +59,20 @@ class NormOp(nn.Module):
 
 
 class ResidualJoin(nn.Module):
-    """Adds a residual branch ``h`` to its shortcut, placing the activation by placement.
+    """Adds a residual branch ``h`` to its shortcut, with the block's last activation.
 
-    ``after_op``: ``act(h + shortcut)`` (the standard block); ``before_op``:
-    ``shortcut + act(h)`` (the shortcut joins after the block's last nonlinearity).
-    With ``act=None`` (linear bottlenecks) both are ``h + shortcut``.
+    ``shortcut_after_act``: ``shortcut + act(h)`` (the shortcut joins after the block's last
+    nonlinearity, the CBN paper's ``before_op`` block); otherwise ``act(h + shortcut)`` (the
+    standard block). With ``act=None`` (linear bottlenecks) both are ``h + shortcut``.
     """
 
-    def __init__(self, placement: str, act: nn.Module | None) -> None:
+    def __init__(self, shortcut_after_act: bool, act: nn.Module | None) -> None:
         super().__init__()
-        self.before_op = placement == BEFORE_OP
+        self.shortcut_after_act = shortcut_after_act
         self.act = act if act is not None else nn.Identity()
 
     def forward(self, h: torch.Tensor, shortcut: torch.Tensor) -> torch.Tensor:
-        if self.before_op:
+        if self.shortcut_after_act:
             return shortcut + self.act(h)
         return self.act(h + shortcut)
 
@@ -123,9 +126,15 @@ class LayerBuilder:
         return nn.Conv2d(cin, cout, kernel_size, stride, kernel_size // 2, bias=self.norm.op_bias)
 
     def linear(self, fin: int, fout: int, normalize: bool = False) -> NormOp:
-        """A linear layer; classifiers keep ``normalize=False`` and always have a bias."""
+        """A linear layer; ``normalize=False`` leaves it unnormalized, with a bias."""
         bias = self.norm.op_bias or not normalize
         return self._wrap(nn.Linear(fin, fout, bias=bias), fin, fout, 1, normalize, False)
+
+    def classifier(self, fin: int, fout: int) -> NormOp:
+        """The final Linear, with a bias; ``before_op`` with ``norm.classifier`` puts a
+        normalization of its ``fin`` features in front (METHODS.md section 1)."""
+        pre = self.norm.make(fin, 1) if self.norm.normalizes_classifier else nn.Identity()
+        return NormOp(nn.Linear(fin, fout), pre, nn.Identity())
 
     def act(self) -> nn.Module:
         return build_act(self.act_name)
@@ -135,7 +144,8 @@ class LayerBuilder:
         return self.norm.make(num_features, dim)
 
     def join(self, act: bool = True) -> ResidualJoin:
-        return ResidualJoin(self.placement, self.act() if act else None)
+        """A residual join placed by ``norm.placement`` and ``norm.join``; ``act=False``: a plain sum."""
+        return ResidualJoin(self.norm.shortcut_after_act, self.act() if act else None)
 
 
 def normalized_ops(model: nn.Module) -> list[tuple[str, NormOp]]:

@@ -111,7 +111,7 @@ class CifarResNet(nn.Module):
         make_block = partial(BasicBlock, b)
         self.blocks, cout = residual_stages(make_block, width, (width, 2 * width, 4 * width), (n, n, n))
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = b.linear(cout, num_classes)
+        self.fc = b.classifier(cout, num_classes)
         he_normal_init(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

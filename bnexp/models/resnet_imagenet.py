@@ -57,7 +57,7 @@ class ImageNetResNet(nn.Module):
         make_block = partial(block, b, projection=True)
         self.blocks, cout = residual_stages(make_block, width, widths, depths, block.expansion)
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = b.linear(cout, num_classes)
+        self.fc = b.classifier(cout, num_classes)
         kaiming_fan_out_init(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

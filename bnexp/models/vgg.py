@@ -26,7 +26,7 @@ class VGG(nn.Module):
             cin = cout
         self.features = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)  # identity on 32x32 inputs (1x1 maps after 5 pools)
-        self.fc = b.linear(cin, num_classes)
+        self.fc = b.classifier(cin, num_classes)
         he_normal_init(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

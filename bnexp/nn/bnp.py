@@ -56,12 +56,9 @@ class BNPLayer(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.name or '<model>'}: {self.in_features} inputs, groups={self.groups}, fan_in={self.fan_in}"
 
-    def batch_stats(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Mean and biased variance of the input per feature/channel; records N and H*W.
-
-        A statistic over a single value (Linear with batch size 1, or a 1x1 map with batch
-        size 1) takes the variance ``(h - mu)^2`` around the running mean instead.
-        """
+    def batch_stats(self, x: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Mean and biased variance of the input per feature/channel, and how many values each
+        covers (N, or N*H*W for a conv); records N and H*W. One value has variance 0."""
         x = x.detach()
         if self.conv:
             if x.dim() == 3:
@@ -70,12 +67,29 @@ class BNPLayer(nn.Module):
         else:
             x = x.reshape(-1, self.in_features)
             self.batch_size = x.shape[0]
-        if x.numel() == self.in_features:
-            mean = x.reshape(self.in_features).to(self.mu.dtype)
-            return mean, (mean - self.mu).square()
+        count = x.numel() // self.in_features
         # a half-precision input (autocast) is reduced in the statistics' precision
         var, mean = var_mean_per_channel(x.to(torch.promote_types(x.dtype, self.mu.dtype)))
-        return mean.to(self.mu.dtype), var.to(self.mu.dtype)
+        return mean.to(self.mu.dtype), var.to(self.mu.dtype), count
+
+    @torch.no_grad()
+    def observe(self, x: Tensor, reduce_fn: Optional[StatsReducer] = None, processes: int = 1) -> None:
+        """Steps 1-2 of METHODS.md section 4 for a training input ``x``.
+
+        ``reduce_fn`` combines the batch statistics of ``processes`` equal shares of the batch
+        (DDP), which then count as one batch. Where the whole batch holds a single value per
+        feature (batch size 1, a Linear or a 1x1 map), its variance is ``(h - mu)^2`` around
+        the running mean; a one-value share of a larger batch enters the pooling with
+        variance 0 (it has no spread of its own).
+        """
+        mean, var, count = self.batch_stats(x)
+        if reduce_fn is not None:
+            mean, var = reduce_fn(mean, var)
+            count *= processes
+            self.batch_size *= processes
+        if count == 1:
+            var = (mean - self.mu).square()
+        self.update(mean, var)
 
     @torch.no_grad()
     def update(self, mean: Tensor, var: Tensor) -> None:
@@ -174,13 +188,8 @@ class BNP:
             raise ValueError("BNP found no Linear or Conv2d layer in the model")
 
     def _observe(self, state: BNPLayer, module: nn.Module, args: tuple) -> None:
-        if not module.training:
-            return
-        mean, var = state.batch_stats(args[0])
-        if self.reduce_fn is not None:
-            mean, var = self.reduce_fn(mean, var)
-            state.batch_size *= self.processes
-        state.update(mean, var)
+        if module.training:
+            state.observe(args[0], self.reduce_fn, self.processes)
 
     def layers(self) -> Iterator[BNPLayer]:
         """The per-layer states, in module order."""

@@ -17,6 +17,9 @@ from bnexp.nn._fused import scaled_norm
 
 AMAT_OMEGA = 10.0  # CBN's omega: eta_k = max(1 - omega * lr_k, 0)
 AMAT_MEAN_GUARD = 1e-6  # |mu_B| below this: r_mu = 1 (no ratio through a vanishing mean)
+BEFORE_FORWARD = "before_forward"  # update mu_A, sigma_A^2 with the current batch, then normalize
+AFTER_FORWARD = "after_forward"  # normalize with the averages of earlier batches, then update them
+AMAT_UPDATES = (BEFORE_FORWARD, AFTER_FORWARD)
 
 
 class NormFamily(ChannelNorm):
@@ -34,6 +37,10 @@ class NormFamily(ChannelNorm):
     forward through stop-gradient ratios and by eval directly. ``amat_eta=None`` is the
     adaptive ``eta_k = max(1 - 10 lr_k, 0)``, which needs :func:`set_learning_rate` before
     every training step but the first; a float fixes eta. ``momentum`` is unused with AMAT.
+    ``amat_update="before_forward"`` (the default, METHODS.md's revised order) adds the
+    current batch to the averages before normalizing with them, so ``eta = 0`` is plain
+    batch statistics; ``"after_forward"`` is Algorithm 1 as printed (earlier batches only).
+    ``amat_r_max`` clips ``r_mu = mu_A / mu_B`` into ``[-r_max, r_max]`` (None: unclipped).
     """
 
     def __init__(
@@ -47,6 +54,8 @@ class NormFamily(ChannelNorm):
         eps: float = 1e-5,
         momentum: float = 0.1,
         amat_eta: Optional[float] = None,
+        amat_update: str = BEFORE_FORWARD,
+        amat_r_max: Optional[float] = None,
     ) -> None:
         super().__init__(num_features, eps)
         if rho <= 0:
@@ -58,6 +67,13 @@ class NormFamily(ChannelNorm):
             if not amat:
                 raise ValueError("amat_eta is only meaningful with amat=True")
             check_fraction("amat_eta", amat_eta)
+        if amat_update not in AMAT_UPDATES:
+            raise ValueError(f"amat_update must be one of {', '.join(AMAT_UPDATES)}, got {amat_update!r}")
+        if amat_r_max is not None:
+            if not amat:
+                raise ValueError("amat_r_max is only meaningful with amat=True")
+            if not amat_r_max > 0:
+                raise ValueError(f"amat_r_max must be positive (or None: unclipped), got {amat_r_max!r}")
         self.center = center
         self.scale = scale
         self.decouple = decouple
@@ -65,6 +81,8 @@ class NormFamily(ChannelNorm):
         self.amat = amat
         self.momentum = momentum
         self.amat_eta = amat_eta
+        self.amat_update = amat_update
+        self.amat_r_max = amat_r_max
         if amat:
             self.register_buffer("amat_mean", torch.zeros(num_features))
             self.register_buffer("amat_var", torch.ones(num_features))
@@ -85,7 +103,8 @@ class NormFamily(ChannelNorm):
             f"rho={self.rho}, amat={self.amat}, eps={self.eps}"
         )
         if self.amat:
-            return text + f", amat_eta={'adaptive' if self.amat_eta is None else self.amat_eta}"
+            eta = "adaptive" if self.amat_eta is None else self.amat_eta
+            return text + f", amat_eta={eta}, amat_update={self.amat_update}, amat_r_max={self.amat_r_max}"
         return text + f", momentum={self.momentum}"
 
     def set_learning_rate(self, lr: float) -> None:
@@ -177,43 +196,61 @@ class NormFamily(ChannelNorm):
                 f"{type(self).__name__} uses adaptive AMAT (eta = max(1 - 10 lr, 0)) but no learning "
                 "rate was given: call bnexp.nn.set_learning_rate(model, lr) before each training step"
             )
-        first = self.amat_steps == 0  # the first step runs on batch statistics and copies them
         if self._fused():  # the closed-form backward accounts for the statistics itself
             with torch.no_grad():
                 var, mean = self.batch_var_mean(x)
-                r_mu, sigma, r_sigma = self._amat_ratios(first, mean, var)
-            y = scaled_norm(x, self.weight, self.bias, mean, var, r_mu, r_sigma, self.rho, self.eps, self.decouple)
-        else:
-            var, mean = self.batch_var_mean(x)
-            r_mu, sigma, r_sigma = self._amat_ratios(first, mean, var)
-            # r_mu * mean has the value mu_A and the gradient of mu_B
-            y = self._output(x, self._with_beta(-r_mu * mean), r_sigma * sigma)
-        self._amat_update(first, mean, sigma)
-        return y
+                r_mu, _, r_sigma = self._amat_step(mean, var)
+            return scaled_norm(x, self.weight, self.bias, mean, var, r_mu, r_sigma, self.rho, self.eps, self.decouple)
+        var, mean = self.batch_var_mean(x)
+        r_mu, sigma, r_sigma = self._amat_step(mean, var)
+        # r_mu * mean has the value mu_A and the gradient of mu_B
+        return self._output(x, self._with_beta(-r_mu * mean), r_sigma * sigma)
 
-    def _amat_ratios(self, first: Tensor, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``r_mu = mu_A / mu_B``, ``sigma_B`` and ``r_sigma = sigma_A / sigma_B`` (both ratios
-        constants for autograd, 1 on the first step; ``sigma_B`` differentiable with the inputs)."""
+    def _amat_new_weight(self) -> Tensor:
+        """``1 - eta_k``, the weight of the current batch in eqs. (8)-(9); 1 on the first step."""
+        eta = self.amat_eta_now if self.amat_eta is None else torch.full_like(self.amat_mean[0], self.amat_eta)
+        return 1.0 - torch.where(self.amat_steps == 0, 0.0, eta)
+
+    def _amat_in_use(self, average: Tensor, updated: Tensor, batch: Tensor) -> Tensor:
+        """The average a training forward uses: the one updated with this batch
+        (``before_forward``), or the stored one (``after_forward``; the batch's own value on
+        the first step)."""
+        if self.amat_update == BEFORE_FORWARD:
+            return updated
+        return torch.where(self.amat_steps == 0, batch, average)
+
+    def amat_forward_mean(self, mean: Tensor) -> Tensor:
+        """``mu_A`` the coming training forward centers with, given its batch mean ``mu_B``.
+        Changes nothing (the ``eta_tau`` probe reads it)."""
         with torch.no_grad():
-            r_mu = torch.where(first | (mean.abs() < AMAT_MEAN_GUARD), 1.0, self.amat_mean / mean)
-        sigma = self._sigma(var, self._with_beta(mean - r_mu * mean))
-        with torch.no_grad():
-            r_sigma = torch.where(first, 1.0, self.amat_var.sqrt() / sigma)
-        return r_mu, sigma, r_sigma
+            return self._amat_in_use(self.amat_mean, torch.lerp(self.amat_mean, mean, self._amat_new_weight()), mean)
 
-    def _amat_update(self, first: Tensor, mean: Tensor, sigma: Tensor) -> None:
-        """Eqs. (8)-(9) with ``eta_k``, after the forward; ``eta = 0`` on the first step.
+    def _amat_step(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """One training step of AMAT: ``r_mu = mu_A / mu_B``, ``sigma_B`` and ``r_sigma = sigma_A /
+        sigma_B`` (the ratios constants for autograd, ``sigma_B`` differentiable with the inputs),
+        with the averages updated by eqs. (8)-(9) before or after use, as ``amat_update`` says.
 
-        The buffers are replaced, not updated in place: the backward still needs the ratios
-        made from their old values, and under torch.compile an in-place write lets the
-        backward recompute those from the new values (silently wrong gradients).
+        ``r_mu`` is 1 on the first step and where ``|mu_B|`` is below :data:`AMAT_MEAN_GUARD`,
+        and clipped into ``[-amat_r_max, amat_r_max]`` when that is set. The buffers are
+        replaced, not written in place: the backward may still need the tensors the ratios
+        were made from, and under torch.compile an in-place write lets it recompute them from
+        the new values (silently wrong gradients).
         """
         with torch.no_grad():
-            eta = self.amat_eta_now if self.amat_eta is None else torch.full_like(mean[0], self.amat_eta)
-            weight = 1.0 - torch.where(first, 0.0, eta)
-            self.amat_mean = torch.lerp(self.amat_mean, mean, weight)
-            self.amat_var = torch.lerp(self.amat_var, sigma.square(), weight)
-            self.amat_steps = self.amat_steps + 1
+            first = self.amat_steps == 0
+            new = self._amat_new_weight()
+            mean_a = torch.lerp(self.amat_mean, mean, new)
+            mu_a = self._amat_in_use(self.amat_mean, mean_a, mean)
+            r_mu = torch.where(first | (mean.abs() < AMAT_MEAN_GUARD), 1.0, mu_a / mean)
+            if self.amat_r_max is not None:
+                r_mu = r_mu.clamp(-self.amat_r_max, self.amat_r_max)
+        sigma = self._sigma(var, self._with_beta(mean - r_mu * mean))
+        with torch.no_grad():
+            second = sigma.square()
+            var_a = torch.lerp(self.amat_var, second, new)
+            r_sigma = torch.where(first, 1.0, self._amat_in_use(self.amat_var, var_a, second).sqrt() / sigma)
+            self.amat_mean, self.amat_var, self.amat_steps = mean_a, var_a, self.amat_steps + 1
+        return r_mu, sigma, r_sigma
 
     def _amat_eval(self, x: Tensor) -> Tensor:
         return self._output(x, self._with_beta(-self.amat_mean), self.amat_var.sqrt())

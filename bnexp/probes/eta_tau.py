@@ -7,9 +7,10 @@ For a normalization's input ``x`` in a training forward, per channel:
     eta     = (mu_B - beta) / mu_A
     tau     = gamma / (rho * sigma_B)
 
-``mu_A`` is the moving average the forward uses: AMAT's ``mu_A`` before this step's update
-(on AMAT's first step, which runs on batch statistics, ``mu_B`` itself), or the running
-mean before the update for a layer without AMAT. The values come from a forward pre-hook
+``mu_A`` is the moving average the forward uses: AMAT's ``mu_A`` as this step's forward
+sees it (:meth:`~bnexp.nn.NormFamily.amat_forward_mean`: updated with ``mu_B`` under
+``amat_update=before_forward``, the stored one under ``after_forward``, ``mu_B`` itself on
+the first step), or the running mean before the update for a layer without AMAT. The values come from a forward pre-hook
 that reads the input and the layer's state and changes nothing.
 """
 
@@ -41,7 +42,7 @@ def moving_mean(module: NormFamily, batch_mean: Tensor) -> Tensor:
     """``mu_A`` of the coming forward (see the module docstring)."""
     if not module.amat:
         return module.running_mean
-    return batch_mean if int(module.amat_steps) == 0 else module.amat_mean
+    return module.amat_forward_mean(batch_mean.to(module.amat_mean.dtype))
 
 
 def eta_tau(module: NormFamily, x: Tensor) -> tuple[Optional[Tensor], Optional[Tensor]]:

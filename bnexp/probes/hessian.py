@@ -114,7 +114,7 @@ class Hessian(Probe):
     def _observe_layer(self, module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
         if not module.training:
             return
-        self.stats.update(*self.stats.batch_stats(args[0]))  # BNP's statistics, updated as BNP does
+        self.stats.observe(args[0])  # BNP's statistics, updated as BNP does
         if self.measuring:
             self.captured = (args[0].detach(), output)
 
