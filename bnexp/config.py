@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from bnexp.distributed import Dist, split_batch
 from bnexp.errors import ConfigError, unknown_choice
+from bnexp.norms import uses_batch_statistics
 
 DEVICES = ("auto", "cpu", "cuda")
 UNITS = ("epoch", "step")
@@ -45,6 +46,27 @@ def register_resolvers() -> None:
             OmegaConf.register_new_resolver(name, resolver)
 
 
+def uses_bnp_lr(cfg: DictConfig) -> bool:
+    """True when the config's lr comes from the BNP paper's table (``${bnp_lr:...}``)."""
+    raw = OmegaConf.to_container(cfg.optim, resolve=False).get("lr")
+    return isinstance(raw, str) and raw.startswith("${bnp_lr:")
+
+
+def lr_not_applicable(cfg: DictConfig) -> bool:
+    """True when the run's lr comes from the BNP table and the paper marks it N/A."""
+    return uses_bnp_lr(cfg) and cfg.optim.lr is None
+
+
+def check_published_lr(cfg: DictConfig) -> None:
+    """A preset reads its lr from the BNP paper's table for its own data set (``tags.data``);
+    trained on another data set (say ``data=digits``) it would use a learning rate tuned for
+    other data without a word, so the lr must then be given."""
+    data, tagged = cfg.data.name, OmegaConf.select(cfg, "tags.data")
+    if uses_bnp_lr(cfg) and data not in (tagged, "synthetic"):  # synthetic: scale=quick's stand-in
+        raise ConfigError(f"optim.lr of this preset comes from the BNP paper's table for {tagged}, which has no "
+                          f"learning rate for data={data}: set optim.lr=VALUE")
+
+
 def _number(cfg: DictConfig, key: str, ok: Callable[[float], bool], rule: str, integer: bool = False) -> None:
     value = OmegaConf.select(cfg, key)
     kinds = (int,) if integer else (int, float)
@@ -54,6 +76,7 @@ def _number(cfg: DictConfig, key: str, ok: Callable[[float], bool], rule: str, i
 
 def validate(cfg: DictConfig) -> None:
     """Reject impossible values with one message naming the key, the value and the rule."""
+    check_published_lr(cfg)
     _number(cfg, "optim.lr", lambda v: v > 0, "a number > 0")
     for key in ("optim.lr_w", "optim.lr_g"):
         if OmegaConf.select(cfg, key) is not None:
@@ -62,7 +85,13 @@ def validate(cfg: DictConfig) -> None:
     _number(cfg, "optim.weight_decay", lambda v: v >= 0, "a number >= 0")
     _number(cfg, "trainer.batch_size", lambda v: v >= 1, "an integer >= 1", integer=True)
     _number(cfg, "trainer.nproc", lambda v: v >= 1, "an integer >= 1", integer=True)
-    split_batch(cfg.trainer.batch_size, Dist(world_size=cfg.trainer.nproc))
+    per_process = split_batch(cfg.trainer.batch_size, Dist(world_size=cfg.trainer.nproc))
+    together = cfg.trainer.batch_size if cfg.norm.get("sync") else per_process
+    if together < 2 and uses_batch_statistics(cfg.norm):
+        raise ConfigError(
+            f"trainer.batch_size={cfg.trainer.batch_size} gives batch statistics over one image, and norm="
+            f"{cfg.norm.name} normalizes with batch statistics: use trainer.batch_size >= 2 per process, or a norm "
+            "without batch statistics (none, gn, ln, bnp, bnp_gn)")
     _number(cfg, "trainer.epochs", lambda v: v >= 0, "a number >= 0")
     if cfg.trainer.max_steps is not None:
         _number(cfg, "trainer.max_steps", lambda v: v >= 1, "an integer >= 1 (or null)", integer=True)

@@ -42,6 +42,7 @@ class NormSpec:
     maker: Optional[NormMaker]
     join: str = AFTER_ACT  # before_op residual joins (norm.join)
     classifier: bool = True  # before_op: a normalization in front of the final Linear (norm.classifier)
+    batch_statistics: bool = False  # the training forward normalizes with statistics over the batch
 
     @property
     def enabled(self) -> bool:
@@ -187,4 +188,11 @@ def build_norm_spec(cfg: Mapping[str, Any]) -> NormSpec:
     if not isinstance(op_bias, bool):
         raise ConfigError(f"norm.op_bias must be true, false or null, got {op_bias!r}")
     return NormSpec(name=cfg.get("name", cfg["kind"]), placement=placement, op_bias=op_bias, maker=maker,
-                    join=join, classifier=classifier)
+                    join=join, classifier=classifier, batch_statistics=uses_batch_statistics(cfg))
+
+
+def uses_batch_statistics(cfg: Mapping[str, Any]) -> bool:
+    """Whether a ``norm`` config normalizes with statistics over the batch (BN and its family
+    when they center or scale, bn_si, batch renormalization); GN, LN, BNP and none do not."""
+    kind = cfg["kind"]
+    return kind in ("bn_si", "brn") or (kind == "family" and bool(cfg.get("center", True) or cfg.get("scale", True)))

@@ -8,7 +8,7 @@ from torch import nn
 from torch.optim import SGD, Optimizer
 from torch.optim.lr_scheduler import ChainedScheduler, ConstantLR, LinearLR, LRScheduler, MultiStepLR
 
-from bnexp.errors import unknown_choice
+from bnexp.errors import ConfigError, unknown_choice
 from bnexp.scale_invariance import parameter_groups
 
 UNITS = ("epoch", "step")
@@ -19,20 +19,25 @@ WARMUPS = ("constant", "linear")
 def build_optimizer(model: nn.Module, cfg: Mapping[str, Any]) -> Optimizer:
     """SGD with momentum and L2 weight decay (added to the gradient, as torch.optim.SGD does).
 
-    Two parameter groups: scale-invariant weights at ``optim.lr_w``, the rest at
-    ``optim.lr_g`` (both default to ``optim.lr``). Group 0 is the ``lr_g`` group; its lr is
-    the one logged and handed to AMAT layers.
+    Two parameter groups: scale-invariant weights at ``optim.lr_w`` with decay
+    ``optim.wd_w``, the rest at ``optim.lr_g`` with ``optim.wd_g`` (defaults: ``optim.lr``
+    and ``optim.weight_decay``). Group 0 is the ``lr_g`` group; its lr is the one logged and
+    handed to AMAT layers. Setting ``lr_w`` or ``wd_w`` for a model without scale-invariant
+    weights is an error: the setting would change nothing.
     """
     if cfg["name"] != "sgd":
         raise unknown_choice("optim.name", cfg["name"], ["sgd"])
     lr_g, lr_w = (cfg["lr"] if cfg.get(key) is None else cfg[key] for key in ("lr_g", "lr_w"))
-    return SGD(
-        parameter_groups(model, lr_g, lr_w),
-        lr=cfg["lr"],
-        momentum=cfg.get("momentum", 0.0),
-        weight_decay=cfg.get("weight_decay", 0.0),
-        nesterov=bool(cfg.get("nesterov", False)),
-    )
+    wd_g, wd_w = (cfg.get("weight_decay", 0.0) if cfg.get(key) is None else cfg[key] for key in ("wd_g", "wd_w"))
+    groups = parameter_groups(model, lr_g, lr_w, wd_g, wd_w)
+    if not groups[1]["params"]:
+        for key in ("lr_w", "wd_w"):
+            if cfg.get(key) is not None:
+                raise ConfigError(
+                    f"optim.{key}={cfg[key]} applies to scale-invariant weights (ops whose output an after_op "
+                    "batch normalization divides), and this model has none (the chosen norm or placement makes "
+                    f"none): leave optim.{key} unset (null), or use optim.lr / optim.weight_decay")
+    return SGD(groups, lr=cfg["lr"], momentum=cfg.get("momentum", 0.0), nesterov=bool(cfg.get("nesterov", False)))
 
 
 def to_steps(value: float, unit: str, steps_per_epoch: int) -> int:

@@ -26,17 +26,32 @@ def scale_invariant_weights(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     ]
 
 
-def parameter_groups(model: nn.Module, lr_g: float, lr_w: float) -> list[dict]:
-    """Two optimizer groups: every other parameter at ``lr_g`` first, scale-invariant weights at ``lr_w``."""
+def parameter_groups(model: nn.Module, lr_g: float, lr_w: float, wd_g: float, wd_w: float) -> list[dict]:
+    """Two optimizer groups: every other parameter (scale-variant) at ``lr_g`` with weight
+    decay ``wd_g`` first, scale-invariant weights at ``lr_w`` with ``wd_w``."""
     invariant = {id(p) for _, p in scale_invariant_weights(model)}
     rest = [p for p in model.parameters() if id(p) not in invariant]
     chosen = [p for p in model.parameters() if id(p) in invariant]
-    return [{"params": rest, "lr": lr_g, "name": "lr_g"}, {"params": chosen, "lr": lr_w, "name": "lr_w"}]
+    return [{"params": rest, "lr": lr_g, "weight_decay": wd_g, "name": "lr_g"},
+            {"params": chosen, "lr": lr_w, "weight_decay": wd_w, "name": "lr_w"}]
 
 
-def weight_norms(weights: list[tuple[str, nn.Parameter]], optimizer: Optimizer) -> list[tuple[str, float, float]]:
-    """``(name, ||w||, lr)`` for each weight, ``lr`` being that of the optimizer group holding it;
-    the effective learning rate of a scale-invariant weight is ``lr / ||w||^2``."""
+def filter_squares(weight: torch.Tensor) -> torch.Tensor:
+    """``||w_k||^2`` of each filter (output row) of a weight, in float64."""
+    return weight.detach().double().flatten(1).square().sum(1)
+
+
+def weight_norms(weights: list[tuple[str, nn.Parameter]],
+                 optimizer: Optimizer) -> list[tuple[str, float, float, tuple[float, float, float]]]:
+    """``(name, ||w||, lr, (min, median, max) of lr / ||w_k||^2 over the filters))`` for each
+    weight, ``lr`` being that of the optimizer group holding it. ``lr / ||w||^2`` is a
+    layer's effective learning rate; BN makes each filter ``w_k`` scale-invariant on its
+    own, so ``lr / ||w_k||^2`` is the effective rate of Arora et al.'s analysis."""
     lrs = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
-    squares = torch.stack([w.detach().double().square().sum() for _, w in weights]).tolist() if weights else []
-    return [(name, sq**0.5, lrs[id(w)]) for (name, w), sq in zip(weights, squares)]
+    rows = []
+    for name, w in weights:
+        squares = filter_squares(w)
+        per_filter = lrs[id(w)] / squares
+        quantiles = torch.stack([per_filter.min(), per_filter.median(), per_filter.max()]).tolist()
+        rows.append((name, squares.sum().sqrt().item(), lrs[id(w)], tuple(quantiles)))
+    return rows

@@ -29,11 +29,12 @@ from bnexp import checkpoint
 from bnexp.callbacks import Callback, TrainState, callbacks_for
 from bnexp.config import validate
 from bnexp.data import build_data
-from bnexp.data.loaders import build_loaders
+from bnexp.data.loaders import build_loaders, drop_last
 from bnexp import distributed
 from bnexp.distributed import gather_objects, sum_over_ranks
 from bnexp.errors import ConfigError
 from bnexp.models import build_model, count_parameters
+from bnexp.norms import uses_batch_statistics
 from bnexp.optim import build_optimizer, build_schedule, to_steps
 from bnexp.preemption import Preempted, PreemptionGuard
 from bnexp.runinfo import MetricsWriter, resolve_device, seed_everything, version_stamp, write_json
@@ -231,8 +232,13 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
     bundle = build_data(cfg.data)
     if bundle.skipped_images:  # data.check_images=true data.bad_images=skip
         summary["skipped_images"] = len(bundle.skipped_images)
+    batch_statistics = uses_batch_statistics(cfg.norm)
     loaders = build_loaders(bundle, cfg.data, batch_size, cfg.trainer.seed, device.type == "cuda", device,
-                            rank=d.rank, world_size=d.world_size)
+                            rank=d.rank, world_size=d.world_size, drop_last=drop_last(cfg.data, batch_statistics))
+    if batch_statistics and loaders.sampler.smallest_batch < 2:
+        raise ConfigError(f"norm={cfg.norm.name} normalizes with batch statistics, and with data.drop_last=false the "
+                          f"last batch of each epoch holds one image ({loaders.sampler.size} images, batches of "
+                          f"{batch_size}): set data.drop_last=true (or null) or another trainer.batch_size")
     model = build_model(cfg.model, cfg.norm, cfg.act.name, bundle.spec).to(device)
     if d.enabled:  # same initial weights everywhere, then each process its own random stream
         seed_everything(cfg.trainer.seed + d.rank, cfg.trainer.deterministic)
@@ -243,7 +249,7 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
                        total_steps(cfg.trainer, loaders.steps_per_epoch), dist=d, train_data=bundle.train)
     run = Run(state, callbacks_for(cfg) + extra_callbacks, summary, net)
     summary.update(params=count_parameters(model), device=str(device), steps_per_epoch=state.steps_per_epoch,
-                   loader=loaders.kind, world_size=d.world_size)
+                   loader=loaders.kind, world_size=d.world_size, num_classes=bundle.spec.num_classes)
     for cb in run.callbacks:
         cb.on_train_start(state)
     run.resume(str(cfg.trainer.resume))

@@ -1,4 +1,5 @@
-"""MNIST, npz and ImageNet read through the real loaders from tiny files, and their errors."""
+"""MNIST, npz and ImageNet read through the real loaders from tiny files, the bundled digits,
+and their errors."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from bnexp.models import DataSpec
 
 
 def test_registry() -> None:
-    assert {"mnist", "npz", "imagenet", "cifar10", "cifar100", "synthetic"} <= set(DATASETS.names())
+    assert {"mnist", "npz", "imagenet", "cifar10", "cifar100", "synthetic", "digits"} <= set(DATASETS.names())
 
 
 # ---------------------------------------------------------------- MNIST
@@ -282,3 +283,100 @@ def test_test_split_shared_between_ranks_on_both_loaders() -> None:
         assert torch.equal(shares["device", rank][0], shares["torch", rank][0])
         assert shares["device", rank][1].tolist() == bundle.arrays.y_test[rank::2].tolist()
     assert len(shares["device", 0][1]) + len(shares["device", 1][1]) == 7
+
+
+# ---------------------------------------------------------------- digits (scikit-learn's bundled images)
+
+
+@pytest.mark.parametrize("size", [8, 16, 32])
+@pytest.mark.parametrize("channels", [1, 3])
+def test_digits_are_the_bundled_images_split_by_class(size: int, channels: int) -> None:
+    from sklearn.datasets import load_digits
+
+    bundle = build_data({"name": "digits", "image_size": size, "channels": channels})
+    data, real = bundle.arrays, load_digits()
+    assert bundle.spec == DataSpec(10, channels, size)
+    assert data.x_train.dtype == torch.uint8 and data.x_train.shape == (1437, channels, size, size)
+    assert data.x_test.shape == (360, channels, size, size)
+    # nearest upsampling: every pixel is a constant block; every channel is the grey image
+    factor = size // 8
+    native = data.x_train[:, 0, ::factor, ::factor]
+    assert torch.equal(data.x_train, native.repeat_interleave(factor, 1).repeat_interleave(factor, 2)[:, None]
+                       .expand(-1, channels, -1, -1))
+    # together the two splits are exactly the 1,797 bundled images, 0..16 scaled to 0..255
+    expected = np.rint(real.images * 255 / 16).astype(np.uint8).reshape(1797, 64)
+    ours = torch.cat([native, data.x_test[:, 0, ::factor, ::factor]]).reshape(1797, 64).numpy()
+    assert sorted(map(bytes, ours)) == sorted(map(bytes, expected))
+    # stratified: each class holds out a fifth of its images, to one image
+    held = np.bincount(data.y_test.numpy(), minlength=10)
+    assert np.all(np.abs(held - 0.2 * np.bincount(real.target)) <= 1)
+    # normalization constants from the training split alone
+    assert data.mean[0] == pytest.approx(data.x_train.double().div(255).mean().item(), rel=1e-9)
+
+
+def test_digits_split_is_fixed_and_its_seed_changes_it() -> None:
+    a, b = (build_data({"name": "digits", "image_size": 8, "channels": 1}).arrays for _ in range(2))
+    assert torch.equal(a.x_test, b.x_test) and torch.equal(a.y_train, b.y_train)
+    c = build_data({"name": "digits", "image_size": 8, "channels": 1, "split_seed": 1}).arrays
+    assert not torch.equal(a.x_test, c.x_test)
+
+
+@pytest.mark.parametrize("change,message", [({"image_size": 12}, "8, 16, 32"), ({"channels": 2}, "1, 3"),
+                                            ({"test_fraction": 1.0}, "strictly between 0 and 1")])
+def test_digits_settings_are_checked(change: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_data({"name": "digits", **change})
+
+
+@pytest.mark.parametrize("loader", ["torch", "device"])
+@pytest.mark.parametrize("sampling", ["with_replacement", "shuffle"])
+def test_digits_train_through_every_loader(tmp_path: Path, loader: str, sampling: str) -> None:
+    from bnexp.trainer import train
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(["data=digits", "data.image_size=8", f"data.loader={loader}", f"data.sampling={sampling}",
+                       "model.width=4", "trainer.batch_size=64", "trainer.max_steps=3", "trainer.device=cpu"])
+    summary = train(cfg, tmp_path)
+    # 1,437 images in batches of 64: 23 full batches drawn with replacement; shuffled under
+    # BN, the short 23rd batch (29 images) is left out (data.drop_last=null follows the norm)
+    steps = 23 if sampling == "with_replacement" else 22
+    assert summary["status"] == "completed" and summary["loader"] == loader and summary["steps_per_epoch"] == steps
+
+
+# ---------------------------------------------------------------- epochs in whole batches
+
+
+@pytest.mark.parametrize("loader", ["torch", "device"])
+@pytest.mark.parametrize("sampling,drop,sizes", [("with_replacement", False, [16, 16, 16]),
+                                                 ("with_replacement", True, [16, 16, 16]),
+                                                 ("shuffle", False, [16, 16, 8]), ("shuffle", True, [16, 16])])
+def test_epoch_batches(loader: str, sampling: str, drop: bool, sizes: list[int]) -> None:
+    """40 images in batches of 16: drawn with replacement every batch is full; shuffled, the
+    short last batch stays unless drop_last, and the epoch's images are distinct."""
+    cfg = {"name": "synthetic", "num_classes": 4, "image_size": 4, "train_size": 40, "test_size": 8,
+           "sampling": sampling, "augment": False, "loader": loader}
+    loaders = build_loaders(build_data(cfg), cfg, 16, 0, False, torch.device("cpu"), drop_last=drop)
+    loaders.sampler.set_epoch(1)
+    assert [len(y) for _, y in loaders.train] == sizes and loaders.steps_per_epoch == len(sizes)
+    if sampling == "shuffle":
+        assert len(set(loaders.sampler.epoch_indices())) == sum(sizes)
+
+
+def test_batch_statistics_need_two_images(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.conftest import read_summary, run_cli, run_dir_of
+
+    digits = ["data=digits", "data.image_size=8", "data.channels=1", "model=mlp3x100", "trainer.max_steps=2",
+              "trainer.device=cpu", "data.sampling=shuffle", *run_dir_of(tmp_path)]
+    code, out = run_cli(["train", *digits, "norm=bn", "trainer.batch_size=1"], capsys)
+    assert code == 2 and "batch statistics over one image" in out and "bnp" in out
+    # 1,437 images in pairs end with a batch of one: left out by default under BN ...
+    code, out = run_cli(["train", *digits, "norm=bn", "trainer.batch_size=2"], capsys)
+    assert code == 0 and read_summary(tmp_path / "run")["steps_per_epoch"] == 718
+    # ... kept on request, which BN cannot train on: one message, exit code 2
+    code, out = run_cli(["train", *digits, "norm=bn", "trainer.batch_size=2", "data.drop_last=false",
+                         "trainer.resume=never"], capsys)
+    assert code == 2 and "holds one image" in out and "data.drop_last" in out
+    # BNP has no batch statistics: batch 1 trains
+    code, out = run_cli(["train", *digits, "norm=bnp", "optim.lr=0.01", "trainer.batch_size=1",
+                         "trainer.resume=never"], capsys)
+    assert code == 0 and read_summary(tmp_path / "run")["steps_per_epoch"] == 1437

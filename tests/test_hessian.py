@@ -90,3 +90,14 @@ def test_hessian_command_writes_csv_and_figure(tmp_path: Path, capsys: pytest.Ca
     assert (tmp_path / "hessian.png").stat().st_size > 0
     code, out = run_cli(args, capsys)  # a second call reuses the finished runs
     assert code == 0 and out.count("(reused)") == 2
+
+
+def test_hessian_on_data_without_a_published_lr_needs_optim_lr(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["hessian", f"out={tmp_path}", "data=digits", "data.image_size=8", "data.channels=1", "model.width=6",
+            "trainer.max_steps=2", "trainer.device=cpu", "probe.hessian.every=2"]
+    code, out = run_cli(base, capsys)
+    assert code == 2 and "no learning rate for data=digits: set optim.lr" in out
+    assert not (tmp_path / "none").exists()  # refused before any training
+    code, out = run_cli([*base, "optim.lr=0.05"], capsys)
+    assert code == 0, out

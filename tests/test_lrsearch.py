@@ -16,10 +16,16 @@ TOY = [o for o in TINY if not o.startswith("trainer.max_steps")] + ["model=mlp2x
 
 
 def test_collapse_rule() -> None:
-    assert not collapsed("completed", 2.3, 2.0)
-    assert collapsed("completed", 2.3, 2.3)  # not below the initial loss
-    assert collapsed("completed", 2.3, math.inf)
-    assert collapsed("diverged", 2.3, 1.0)
+    assert not collapsed("completed", 2.3, 2.0, 40.0, 10)
+    assert collapsed("completed", 2.3, 2.3, 40.0, 10)  # not below the initial loss
+    assert collapsed("completed", 2.3, math.inf, 40.0, 10)
+    assert collapsed("diverged", 2.3, 1.0, 90.0, 10)
+    # collapsed to chance: below a large initial loss, but at ln(10) and guessing
+    assert collapsed("completed", 7.5, math.log(10), 10.3, 10)
+    assert collapsed("completed", 7.5, 1.04 * math.log(10), 19.0, 10)
+    assert not collapsed("completed", 7.5, math.log(10), 21.0, 10)  # above twice the guessing rate
+    assert not collapsed("completed", 7.5, 0.94 * math.log(10), 12.0, 10)  # the loss left ln(10)
+    assert collapsed("completed", 9.0, math.log(100), 1.5, 100)
 
 
 def test_max_stable_takes_the_largest_lr_no_seed_collapses_at() -> None:

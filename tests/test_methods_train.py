@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from bnexp.callbacks import Callback, TrainState
 from bnexp.config import config_dir
+from bnexp.errors import ConfigError
 from bnexp.models import DataSpec, build_model
 from bnexp.nn import NormFamily, ScaleInvariantBN
 from bnexp.optim import build_optimizer
@@ -107,6 +109,28 @@ def test_scaling_tagged_weights_keeps_training_loss() -> None:
     assert loss_after_scaling(model, 3.0) == pytest.approx(loss_after_scaling(model, 1.0), abs=1e-10)
 
 
+def test_preact_resnet_tags_the_convs_that_feed_a_norm_directly() -> None:
+    """In a pre-activation block conv1 -> N2 makes conv1's weight scale-invariant (54 of them
+    in ResNet-110); the other convs feed a sum of branches and are not tagged."""
+    torch.manual_seed(0)
+    cfg = compose_cfg([*TINY, "model=preact_resnet110", "norm=bn", "norm.eps=1e-30"])
+    model = build_model(cfg.model, cfg.norm, "relu", DataSpec(10, 3, 8)).double()
+    tagged = scale_invariant_weights(model)
+    assert [name for name, _ in tagged] == [f"blocks.{i}.conv1.op.weight" for i in range(54)]
+    assert loss_after_scaling(model, 3.0) == pytest.approx(loss_after_scaling(model, 1.0), abs=1e-10)
+    base = loss_after_scaling(model, 1.0)
+    with torch.no_grad():  # an untagged conv (conv2 feeds the residual sum) is not invariant
+        model.blocks[0].conv2.weight.mul_(3.0)
+    assert abs(loss_after_scaling(model, 1.0) - base) > 1e-4
+
+
+@pytest.mark.parametrize("overrides", [["norm.placement=before_op"], ["model=preact_resnet110"]])
+def test_bn_si_is_refused_where_no_op_produces_the_normalized_input(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], overrides: list[str]) -> None:
+    code, out = run_cli(["train", *TINY, "norm=bn_si", *overrides, *run_dir_of(tmp_path)], capsys)
+    assert code == 2 and "norm=bn_si smooths each channel with the weight of the op" in out
+
+
 def test_bn_si_invariant_with_tiny_variance() -> None:
     """Make one channel of the first conv nearly constant: plain BN's eps now matters, bn_si's does not."""
     losses = {}
@@ -130,6 +154,37 @@ def test_lr_w_and_lr_g_groups() -> None:
     assert len(g["params"]) + len(w["params"]) == len(list(model.parameters()))
     defaults = build_optimizer(model, compose_cfg(TINY).optim)
     assert [grp["lr"] for grp in defaults.param_groups] == [0.1, 0.1]
+    assert [grp["weight_decay"] for grp in defaults.param_groups] == [5e-4, 5e-4]
+
+
+def test_weight_decay_per_group_matches_torch_sgd() -> None:
+    """optim.wd_w=0 (Arora et al.: decay the scale-variant parameters only): one SGD step
+    equals torch's SGD with the two groups written out by hand."""
+    cfg = compose_cfg([*TINY, "optim.wd_w=0", "optim.wd_g=1e-3", "optim.lr_w=0.5"])
+    model = build_tiny("bn")
+    reference = copy.deepcopy(model)
+    invariant = {name for name, _ in scale_invariant_weights(model)}
+    x = torch.randn(8, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(8)
+    for net, opt in ((model, build_optimizer(model, cfg.optim)),
+                     (reference, torch.optim.SGD(
+                         [{"params": [p for n, p in reference.named_parameters() if n not in invariant],
+                           "lr": 0.1, "weight_decay": 1e-3},
+                          {"params": [p for n, p in reference.named_parameters() if n in invariant],
+                           "lr": 0.5, "weight_decay": 0.0}], momentum=0.9))):
+        for _ in range(2):
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+    for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("key", ["lr_w", "wd_w"])
+def test_invariant_group_settings_without_invariant_weights_are_errors(key: str) -> None:
+    cfg = compose_cfg([*TINY, "norm=none", f"optim.{key}=0.5"])
+    with pytest.raises(ConfigError, match=f"optim.{key}=0.5 applies to scale-invariant weights"):
+        build_optimizer(build_tiny("none"), cfg.optim)
 
 
 def test_weights_csv(tmp_path: Path) -> None:
@@ -143,3 +198,7 @@ def test_weights_csv(tmp_path: Path) -> None:
         norm = final[row["layer"]].double().norm().item()
         assert float(row["weight_norm"]) == pytest.approx(norm, rel=1e-12)
         assert float(row["effective_lr"]) == pytest.approx(0.5 / norm**2, rel=1e-12)
+        per_filter = 0.5 / final[row["layer"]].double().flatten(1).square().sum(1)
+        for stat in ("min", "median", "max"):
+            assert float(row[f"filter_effective_lr_{stat}"]) == pytest.approx(getattr(per_filter, stat)().item(),
+                                                                             rel=1e-12)

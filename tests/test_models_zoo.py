@@ -233,7 +233,9 @@ def test_preact_resnet110_ignores_placement(norm: dict) -> None:
         net = build("preact_resnet110", norm, placement)
         trees.append([(n, type(m).__name__) for n, m in net.named_modules()])
         trees.append([(n, p.shape) for n, p in net.named_parameters()])
-        assert not normalized_ops(net)
+        # each block's conv1 feeds its N2 directly: the only op -> N pairs of the model
+        expected = [f"blocks.{i}.conv1" for i in range(54)] if build_norm_spec(norm).enabled else []
+        assert [name for name, _ in normalized_ops(net)] == expected
     assert trees[0] == trees[2] and trees[1] == trees[3]
     convs = [m for m in net.modules() if isinstance(m, nn.Conv2d)]
     assert len(convs) == 1 + 2 * 54 + 2  # stem, two per block, two projection shortcuts
@@ -247,7 +249,7 @@ def test_preact_block_order() -> None:
     net = build("preact_resnet110").eval()
     block = net.blocks[1]
     x = torch.randn(2, 4, 8, 8)
-    expected = x + block.conv2(torch.relu(block.norm2(block.conv1(torch.relu(block.norm1(x))))))
+    expected = x + block.conv2(torch.relu(block.conv1.post(block.conv1.op(torch.relu(block.norm1(x))))))
     torch.testing.assert_close(block(x), expected)
 
 

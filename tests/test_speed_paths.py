@@ -55,7 +55,7 @@ def take(stream, n: int) -> list:
 def test_device_loader_draws_the_same_batches(sampling: str) -> None:
     torch_loaders, device_loaders = both_loaders(sampling=sampling, augment=False)
     assert (torch_loaders.kind, device_loaders.kind) == ("torch", "device")
-    assert device_loaders.steps_per_epoch == torch_loaders.steps_per_epoch == 3  # 16 + 16 + 8
+    assert device_loaders.steps_per_epoch == torch_loaders.steps_per_epoch == 3  # 40 images, batches of 16
     for (xa, ya), (xb, yb) in zip(take(torch_loaders.epochs_from(0), 7), take(device_loaders.epochs_from(0), 7)):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     for (xa, ya), (xb, yb) in zip(torch_loaders.test, device_loaders.test, strict=True):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import json
 from pathlib import Path
 
@@ -80,13 +82,15 @@ def test_table_command_on_a_results_folder(tmp_path: Path, capsys: pytest.Captur
     assert run_cli(["table", "cbn/table9"], capsys)[0] == 2
 
 
-def write_lr_run(root: Path, lr: float, first_epoch_loss: float, probe_losses: tuple[float, ...] | None) -> None:
+def write_lr_run(root: Path, lr: float, first_epoch_loss: float, probe_losses: tuple[float, ...] | None,
+                 top1: float | None = None) -> None:
     """A completed CBN Table 6 run: metrics.csv's first-epoch mean loss, the loss probe's values."""
     run = root / f"lr={lr}"
     run.mkdir(parents=True)
     config = {"tags": {"method": "cbn"}, "act": {"name": "relu"}, "optim": {"lr": lr}, "trainer": {"seed": 0}}
     final = probe_losses[-1] if probe_losses else 1.0
-    summary = {"status": "completed", "final_top1": 50.0 + lr, "final_train_loss": final, "config": config}
+    summary = {"status": "completed", "final_top1": 50.0 + lr if top1 is None else top1, "final_train_loss": final,
+               "num_classes": 10, "config": config}
     (run / "summary.json").write_text(json.dumps(summary))
     (run / "metrics.csv").write_text(f"step,epoch,train_loss\n10,1,{first_epoch_loss}\n20,2,{final}\n")
     if probe_losses:
@@ -103,6 +107,13 @@ def test_table6_stability_compares_the_loss_probe_at_step_0_and_the_end(tmp_path
     # lr 1: the first epoch's mean loss (5.0) is above the final loss but the initial loss
     # (1.5) is below it, a collapse; lr 0.1 lowers the loss and is the largest stable lr
     write_lr_run(tmp_path, 1.0, first_epoch_loss=5.0, probe_losses=(1.5, 2.0))
+    write_lr_run(tmp_path, 0.1, first_epoch_loss=2.5, probe_losses=(2.3, 1.0))
+    assert relu_cbn_cell(tmp_path) == "50.10 (1) lr=0.1"
+
+
+def test_table6_counts_a_collapse_to_chance_as_unstable(tmp_path: Path) -> None:
+    # lr 1 lowers the loss from 6.0 to ln(10), where a constant prediction sits, at 10 % top-1
+    write_lr_run(tmp_path, 1.0, first_epoch_loss=5.0, probe_losses=(6.0, math.log(10)), top1=10.0)
     write_lr_run(tmp_path, 0.1, first_epoch_loss=2.5, probe_losses=(2.3, 1.0))
     assert relu_cbn_cell(tmp_path) == "50.10 (1) lr=0.1"
 

@@ -9,6 +9,7 @@ from torch.utils.data import Dataset
 
 from bnexp.data.arrays import ArrayData, torch_datasets
 from bnexp.data.cifar import load_cifar
+from bnexp.data.digits import load_digits
 from bnexp.data.imagenet import load_imagenet
 from bnexp.data.mnist import load_mnist
 from bnexp.data.npz import load_npz
@@ -44,6 +45,7 @@ DATASETS.register("cifar100")(_from_arrays(load_cifar))
 DATASETS.register("synthetic")(_from_arrays(make_synthetic))
 DATASETS.register("mnist")(_from_arrays(load_mnist))
 DATASETS.register("npz")(_from_arrays(load_npz))
+DATASETS.register("digits")(_from_arrays(load_digits))
 
 
 @DATASETS.register("imagenet")

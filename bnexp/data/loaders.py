@@ -23,26 +23,44 @@ LOADERS = ("auto", "device", "torch")
 
 
 class EpochSampler(Sampler[int]):
-    """Indices of one process's share of an epoch, resumable mid-epoch.
+    """Indices of one process's share of an epoch, in whole batches, resumable mid-epoch.
 
+    ``with_replacement``: each rank draws its share independently, uniformly with
+    replacement, from a generator seeded by (seed, epoch, rank); the share is rounded up to
+    whole batches, so every batch is full (CIFAR: 391 batches of 128 per epoch).
     ``shuffle``: torch's DistributedSampler (one permutation per epoch shared by all ranks,
-    split between them). ``with_replacement``: each rank draws its share independently,
-    uniformly with replacement, from a generator seeded by (seed, epoch, rank).
+    split between them); with ``drop_last`` the incomplete batch at the end is left out.
     """
 
-    def __init__(self, data: Sized, sampling: str, seed: int, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, data: Sized, sampling: str, seed: int, batch_size: int, rank: int = 0, world_size: int = 1,
+                 drop_last: bool = False) -> None:
         if sampling not in SAMPLINGS:
             raise unknown_choice("data.sampling", sampling, SAMPLINGS)
         self.size = len(data)
         self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.batch_size = batch_size
         self.shuffler = (
             DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
             if sampling == "shuffle"
             else None
         )
-        self.num_samples = -(-self.size // world_size)
+        share = -(-self.size // world_size)
+        if self.shuffler is None:
+            self.steps = -(-share // batch_size)
+            self.num_samples = self.steps * batch_size
+        elif drop_last:
+            self.steps = share // batch_size
+            self.num_samples = self.steps * batch_size
+        else:
+            self.steps = -(-share // batch_size)
+            self.num_samples = share
         self.epoch = 0
         self.offset = 0
+
+    @property
+    def smallest_batch(self) -> int:
+        """The size of an epoch's last batch (the others are full)."""
+        return self.num_samples - (self.steps - 1) * self.batch_size
 
     def set_epoch(self, epoch: int, offset: int = 0) -> None:
         """Select the epoch to draw and how many of its samples were already consumed."""
@@ -52,7 +70,7 @@ class EpochSampler(Sampler[int]):
         """This rank's whole share of the current epoch."""
         if self.shuffler is not None:
             self.shuffler.set_epoch(self.epoch)
-            return list(self.shuffler)
+            return list(self.shuffler)[: self.num_samples]
         seed = int(np.random.SeedSequence([self.seed, self.epoch, self.rank]).generate_state(1)[0])
         g = torch.Generator().manual_seed(seed)
         return torch.randint(self.size, (self.num_samples,), generator=g).tolist()
@@ -79,7 +97,7 @@ class Loaders:
 
     @property
     def steps_per_epoch(self) -> int:
-        return -(-self.sampler.num_samples // self.batch_size)
+        return self.sampler.steps
 
     def epochs_from(self, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Endless training batches starting at optimizer step ``step`` (0 or a resume point)."""
@@ -89,6 +107,17 @@ class Loaders:
             self.sampler.set_epoch(epoch, offset)
             yield from self.train
             epoch, offset = epoch + 1, 0
+
+
+def drop_last(cfg: Mapping[str, Any], batch_statistics: bool) -> bool:
+    """``data.drop_last``; null means "when the norm uses batch statistics" (a short last
+    batch would normalize with the statistics of a few images, or fail with one)."""
+    value = cfg.get("drop_last")
+    if value is None:
+        return batch_statistics
+    if not isinstance(value, bool):
+        raise ConfigError(f"data.drop_last={value!r} is not valid: use true, false or null (by the norm)")
+    return value
 
 
 def loader_kind(bundle: DataBundle, cfg: Mapping[str, Any], device: torch.device) -> str:
@@ -105,8 +134,12 @@ def loader_kind(bundle: DataBundle, cfg: Mapping[str, Any], device: torch.device
 
 
 def build_loaders(bundle: DataBundle, cfg: Mapping[str, Any], batch_size: int, seed: int, pin_memory: bool,
-                  device: torch.device = torch.device("cpu"), rank: int = 0, world_size: int = 1) -> Loaders:
+                  device: torch.device = torch.device("cpu"), rank: int = 0, world_size: int = 1,
+                  drop_last: bool = False) -> Loaders:
     """Training batches drawn with replacement or shuffled (``data.sampling``); test in order.
+
+    Batches drawn with replacement are always full; shuffled ones leave out the incomplete
+    last batch of an epoch when ``drop_last`` (see :func:`drop_last`).
 
     ``batch_size`` is per process. Under torchrun each process draws its own share of every
     epoch (:class:`EpochSampler`) and evaluates every ``world_size``-th test image, from its
@@ -117,7 +150,12 @@ def build_loaders(bundle: DataBundle, cfg: Mapping[str, Any], batch_size: int, s
     draws from the global RNG, which the training step's own randomness uses.
     ``pin_memory`` is the caller's default; a non-null ``data.pin_memory`` overrides it.
     """
-    sampler = EpochSampler(bundle.train, cfg.get("sampling", "with_replacement"), seed, rank, world_size)
+    sampler = EpochSampler(bundle.train, cfg.get("sampling", "with_replacement"), seed, batch_size, rank, world_size,
+                           drop_last)
+    if sampler.steps == 0:
+        raise ConfigError(f"a batch of {batch_size} per process is larger than this process's share of the "
+                          f"{sampler.size} training images and data.drop_last leaves no batch: use a smaller "
+                          "trainer.batch_size or data.drop_last=false")
     test_share = range(rank, len(bundle.test), world_size)
     if loader_kind(bundle, cfg, device) == "device":
         assert bundle.arrays is not None  # checked by loader_kind

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from bnexp.activations import build_act
+from bnexp.errors import ConfigError
 from bnexp.norms import AFTER_OP, BEFORE_OP, NormSpec
 
 
@@ -91,11 +92,20 @@ class LayerBuilder:
     def _wrap(self, op: nn.Module, cin: int, cout: int, dim: int, normalize: bool, share_input_norm: bool) -> NormOp:
         before = normalize and self.placement == BEFORE_OP
         after = normalize and self.placement == AFTER_OP
-        pre = self.norm.make(cin, dim) if before and not share_input_norm else nn.Identity()
+        pre = self._unbound(self.norm.make(cin, dim)) if before and not share_input_norm else nn.Identity()
         post = self.norm.make(cout, dim) if after else nn.Identity()
         if hasattr(post, "bind"):  # bn_si smooths with the norm of the weight producing each channel
             post.bind(op)
         return NormOp(op, pre, post, shares_input_norm=before and share_input_norm and self.norm.enabled)
+
+    def _unbound(self, norm: nn.Module) -> nn.Module:
+        """``norm``, unless it must be bound to the op producing its input (bn_si) and none does."""
+        if hasattr(norm, "bind"):
+            raise ConfigError(
+                f"norm={self.norm.name} smooths each channel with the weight of the op that produces it, so it "
+                "needs a normalization right after an op: use norm.placement=after_op (and a model other than "
+                "preact_resnet110, whose block inputs are sums of branches), or norm=bn")
+        return norm
 
     def conv(
         self,
@@ -125,6 +135,16 @@ class LayerBuilder:
         normalizations (pre-activation ResNets); it has a bias when the norm spec says so."""
         return nn.Conv2d(cin, cout, kernel_size, stride, kernel_size // 2, bias=self.norm.op_bias)
 
+    def conv_norm(self, cin: int, cout: int, kernel_size: int, stride: int = 1) -> NormOp:
+        """:meth:`plain_conv` followed directly by a normalization of its output, whatever the
+        placement (pre-activation blocks' ``conv1 -> N2``): its weight is tagged scale-invariant
+        where that norm makes it so."""
+        op = self.plain_conv(cin, cout, kernel_size, stride)
+        post = self.norm.make(cout, 2)
+        if hasattr(post, "bind"):
+            post.bind(op)
+        return NormOp(op, nn.Identity(), post)
+
     def linear(self, fin: int, fout: int, normalize: bool = False) -> NormOp:
         """A linear layer; ``normalize=False`` leaves it unnormalized, with a bias."""
         bias = self.norm.op_bias or not normalize
@@ -140,8 +160,8 @@ class LayerBuilder:
         return build_act(self.act_name)
 
     def norm_layer(self, num_features: int, dim: int = 2) -> nn.Module:
-        """A bare normalization, for blocks whose order is fixed (pre-activation ResNets)."""
-        return self.norm.make(num_features, dim)
+        """A bare normalization of a block input, for blocks whose order is fixed (pre-activation ResNets)."""
+        return self._unbound(self.norm.make(num_features, dim))
 
     def join(self, act: bool = True) -> ResidualJoin:
         """A residual join placed by ``norm.placement`` and ``norm.join``; ``act=False``: a plain sum."""

@@ -2,7 +2,9 @@
 
 Each block computes ``x + conv2(act(N2(conv1(act(N1(x))))))``: the normalization order
 is fixed by the architecture, so ``norm.placement`` does not apply (the module tree is
-the same for both placements) and only the normalization type changes. The stem is a
+the same for both placements) and only the normalization type changes. ``N2`` reads
+``conv1``'s output directly, so ``conv1``'s weight is scale-invariant under BN; ``N1`` reads
+a sum of branches, which is why ``norm=bn_si`` (bound to one producing op) is refused here. The stem is a
 bare conv; after the last block come a final ``N -> act``, the pool and the classifier.
 Where the shape changes, the shortcut is a 1x1 strided projection of the block's
 pre-activated input ``act(N1(x))``, as in the authors' code (resnet-1k-layers).
@@ -20,14 +22,14 @@ from bnexp.models.resnet_cifar import blocks_per_stage, residual_stages
 
 
 class PreActBlock(nn.Module):
-    """``N -> act -> conv3x3 -> N -> act -> conv3x3`` plus the shortcut."""
+    """``N1 -> act -> conv3x3 -> N2 -> act -> conv3x3`` plus the shortcut; ``conv1`` holds
+    the first conv with ``N2`` behind it (``conv1.op``, ``conv1.post``)."""
 
     def __init__(self, b: LayerBuilder, cin: int, cout: int, stride: int) -> None:
         super().__init__()
         self.norm1 = b.norm_layer(cin)
         self.act1 = b.act()
-        self.conv1 = b.plain_conv(cin, cout, 3, stride)
-        self.norm2 = b.norm_layer(cout)
+        self.conv1 = b.conv_norm(cin, cout, 3, stride)
         self.act2 = b.act()
         self.conv2 = b.plain_conv(cout, cout, 3)
         self.shortcut = b.plain_conv(cin, cout, 1, stride) if stride != 1 or cin != cout else None
@@ -35,7 +37,7 @@ class PreActBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.act1(self.norm1(x))
         shortcut = x if self.shortcut is None else self.shortcut(a)
-        return shortcut + self.conv2(self.act2(self.norm2(self.conv1(a))))
+        return shortcut + self.conv2(self.act2(self.conv1(a)))
 
 
 class PreActResNet(nn.Module):

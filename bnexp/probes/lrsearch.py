@@ -7,8 +7,9 @@ reused. A method is an option of ``configs/cbn_part`` (none, mean_removal, l2_di
 cbn). Each run has the ``loss`` probe on: the initial training loss is the probe's value
 at step 0 (before any update) and the final one its value on the final weights, both on
 the same fixed training batches in training mode. A run collapses when its loss turns
-non-finite (status ``diverged``) or its final loss is not below its initial loss; an lr is
-stable when none of its seeds collapses. The table reports, per method and activation,
+non-finite (status ``diverged``), its final loss is not below its initial loss, or it
+collapsed to chance (final loss within 5% of ln(classes) and test top-1 below twice the
+guessing rate); an lr is stable when none of its seeds collapses. The table reports, per method and activation,
 the largest stable lr and the final test top-1 there (mean and std over the seeds).
 """
 
@@ -61,9 +62,22 @@ def loss_endpoints(run_dir: Path) -> tuple[float, float]:
     return float(rows["value"].iloc[0]), float(rows["value"].iloc[-1])
 
 
-def collapsed(status: str, initial: float, final: float) -> bool:
-    """A diverged run (non-finite training loss), or a final loss not below the initial one."""
-    return status != "completed" or not (math.isfinite(final) and final < initial)
+CHANCE_LOSS_BAND = 0.05  # a final loss within 5% of ln(classes) ...
+CHANCE_TOP1_FACTOR = 2.0  # ... with a test top-1 below twice the guessing rate: collapsed to chance
+
+
+def at_chance(final: float, top1: float, classes: int) -> bool:
+    """The run predicts no better than a constant: its final loss sits at ln(classes), what
+    a uniform prediction scores, and its test top-1 below twice the rate of guessing."""
+    chance_loss = math.log(classes)
+    return abs(final - chance_loss) <= CHANCE_LOSS_BAND * chance_loss and top1 < CHANCE_TOP1_FACTOR * 100 / classes
+
+
+def collapsed(status: str, initial: float, final: float, top1: float, classes: int) -> bool:
+    """A diverged run (non-finite training loss), a final loss not below the initial one, or
+    a run that collapsed to chance (:func:`at_chance`; its loss can still be below a large
+    initial loss)."""
+    return status != "completed" or not (math.isfinite(final) and final < initial) or at_chance(final, top1, classes)
 
 
 def run_candidate(candidate: Candidate, overrides: list[str], out: Path) -> dict[str, Any]:
@@ -73,9 +87,9 @@ def run_candidate(candidate: Candidate, overrides: list[str], out: Path) -> dict
     run_dir = candidate.run_dir(out)
     summary, reused = run_or_reuse(cfg, run_dir)
     initial, final = loss_endpoints(run_dir)
-    status = summary["status"]
+    status, top1 = summary["status"], summary.get("final_top1", math.nan)
     row = {**vars(candidate), "status": status, "initial_loss": initial, "final_loss": final,
-           "collapsed": collapsed(status, initial, final), "test_acc": summary.get("final_top1", math.nan)}
+           "collapsed": collapsed(status, initial, final, top1, summary["num_classes"]), "test_acc": top1}
     print(f"lrsearch: {candidate.method} {candidate.act} lr={candidate.lr:g} seed={candidate.seed}: {status}"
           f"{' (reused)' if reused else ''}, loss {initial:.4g} -> {final:.4g}", flush=True)
     return row

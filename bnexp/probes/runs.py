@@ -11,8 +11,9 @@ from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
 from bnexp.commands import exit_on_error, split_options
+from bnexp.config import check_published_lr, lr_not_applicable
 from bnexp.errors import ConfigError
-from bnexp.report.presets import hydra_session, lr_not_applicable, skip_reason
+from bnexp.report.presets import hydra_session, skip_reason
 
 T = TypeVar("T")
 
@@ -49,6 +50,7 @@ def run_or_reuse(cfg: DictConfig, run_dir: Path) -> tuple[dict[str, Any], bool]:
     """
     from bnexp.trainer import train
 
+    check_published_lr(cfg)  # before a study starts training on a data set the paper never used
     saved = run_dir / "config.yaml"
     if saved.is_file() and result_settings(OmegaConf.load(saved)) != result_settings(cfg):
         raise ConfigError(f"{run_dir} holds a run with another config; use another out= directory or remove it")

@@ -4,7 +4,9 @@ For every weight :func:`bnexp.scale_invariance.scale_invariant_weights` lists, `
 ``||w||`` and ``effective_lr`` is ``lr / ||w||^2`` with the learning rate of the optimizer
 group holding ``w`` (``lr_w`` when the run splits the groups). The loss does not change
 when such a weight is rescaled, so a step of size lr on it moves its direction as much as
-a step of ``lr / ||w||^2`` on a unit-norm weight would.
+a step of ``lr / ||w||^2`` on a unit-norm weight would. BN normalizes each output channel
+on its own, so every filter ``w_k`` is scale-invariant by itself: ``filter_effective_lr_median``
+is the median over the layer's filters of ``lr / ||w_k||^2``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Weights(FixedWeightProbe):
     def measure(self, state: TrainState, step: int) -> None:
         if not self.weights:
             return
-        for name, norm, lr in weight_norms(self.weights, state.optimizer):
+        for name, norm, lr, (_, median, _) in weight_norms(self.weights, state.optimizer):
             self.emit(step, name, "norm", norm)
             self.emit(step, name, "effective_lr", lr / norm**2)
+            self.emit(step, name, "filter_effective_lr_median", median)

@@ -23,7 +23,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 
-from bnexp.config import config_dir, register_resolvers
+from bnexp.config import config_dir, lr_not_applicable, register_resolvers, uses_bnp_lr
 from bnexp.commands import split_options
 from bnexp.errors import ConfigError, unknown_choice
 
@@ -112,17 +112,6 @@ def without(job: Sequence[str], key: str) -> tuple[str, ...]:
 def fixed_overrides(overrides: Sequence[str]) -> list[str]:
     """The overrides that are not sweeps (those a single config can take)."""
     return [o.input_line for o in parse(overrides) if not o.is_sweep_override()]
-
-
-def uses_bnp_lr(cfg: DictConfig) -> bool:
-    """True when the config's lr comes from the BNP paper's table (``${bnp_lr:...}``)."""
-    raw = OmegaConf.to_container(cfg.optim, resolve=False).get("lr")
-    return isinstance(raw, str) and raw.startswith("${bnp_lr:")
-
-
-def lr_not_applicable(cfg: DictConfig) -> bool:
-    """True when the run's lr comes from the BNP table and the paper marks it N/A."""
-    return uses_bnp_lr(cfg) and cfg.optim.lr is None
 
 
 @dataclass

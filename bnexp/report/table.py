@@ -95,21 +95,25 @@ def best_choice(runs: pd.DataFrame, key: str, metric: str, seed: str = "trainer.
     return max(sorted(means), key=lambda v: means[v])
 
 
-def run_collapsed(status: str, run_dir: str) -> bool:
-    """``bnexp lrsearch``'s collapse rule on a run's ``loss`` probe (step 0 vs final weights)."""
-    if status != "completed":
+def run_collapsed(run: pd.Series) -> bool:
+    """``bnexp lrsearch``'s collapse rule on a run's ``loss`` probe (step 0 vs final weights)
+    and its summary (final top-1, number of classes)."""
+    if run["status"] != "completed":
         return True
-    initial, final = loss_endpoints(Path(run_dir))
+    initial, final = loss_endpoints(Path(run["run_dir"]))
     if math.isnan(initial):
-        raise ConfigError(f"{run_dir} has no step-0 rows of the loss probe in probes.csv, which the stability "
+        raise ConfigError(f"{run['run_dir']} has no step-0 rows of the loss probe in probes.csv, which the stability "
                           "rule needs: train it with probes=[loss] (experiment=cbn/table6 does)")
-    return collapsed(status, initial, final)
+    if pd.isna(run.get("num_classes")):
+        raise ConfigError(f"{run['run_dir']}/summary.json does not record num_classes, which the stability rule "
+                          "needs (made by an older bnexp): train it again with trainer.resume=never")
+    return collapsed(run["status"], initial, final, float(run["final_top1"]), int(run["num_classes"]))
 
 
 def largest_stable(runs: pd.DataFrame, key: str, metric: str) -> Any:
     """The largest value none of whose runs collapsed (:func:`run_collapsed`)."""
     for value, group in sorted(runs.groupby(key), key=lambda item: -float(item[0])):
-        if not any(run_collapsed(status, run_dir) for status, run_dir in zip(group["status"], group["run_dir"])):
+        if not any(run_collapsed(run) for _, run in group.iterrows()):
             return value
     return None
 
