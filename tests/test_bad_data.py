@@ -180,9 +180,9 @@ def test_check_images_leaves_them_out(bad_jpeg: Path, caplog: pytest.LogCaptureF
     assert "left out 1 of 6 images" in caplog.text
 
 
-def imagenet_args(tmp_path: Path, *extra: str) -> list[str]:
+def imagenet_args(tmp_path: Path, *extra: str, batch: int = 6) -> list[str]:
     return ["train", "data=imagenet", f"data.root={tmp_path / 'imagenet'}", "data.image_size=16",
-            "data.resize_size=20", "data.num_workers=1", "model.width=4", "trainer.batch_size=6",
+            "data.resize_size=20", "data.num_workers=1", "model.width=4", f"trainer.batch_size={batch}",
             "trainer.max_steps=2", "trainer.device=cpu", *extra, *run_dir_of(tmp_path)]
 
 
@@ -194,7 +194,8 @@ def test_cli_names_the_unreadable_image(bad_jpeg: Path, tmp_path: Path, capsys: 
 
 
 def test_cli_trains_past_skipped_images(bad_jpeg: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out = run_cli(imagenet_args(tmp_path, "data.bad_images=skip", "data.check_images=true"), capsys)
+    # the 5 readable images make one batch of 5
+    code, out = run_cli(imagenet_args(tmp_path, "data.bad_images=skip", "data.check_images=true", batch=5), capsys)
     assert code == 0, out
     summary = read_summary(tmp_path / "run")
     assert summary["status"] == "completed" and summary["skipped_images"] == 1

@@ -17,7 +17,32 @@ def test_every_subpackage_is_listed() -> None:
     assert (ROOT / "configs" / "__init__.py").is_file()
 
 
-def test_reference_numbers_are_the_shared_copies() -> None:
-    shared = ROOT.parent / "shared" / "reference"  # the checkout sits beside the project's shared folder
-    for name in ("published_results.csv", "bnp_best_learning_rates.csv"):
-        assert (ROOT / "bnexp" / "reference" / name).read_text() == (shared / name).read_text()
+def test_published_numbers_have_their_schema_and_known_values() -> None:
+    """The package's copy of the published numbers: its columns, value ranges, and cells
+    checked by hand against the papers (CBN Table 1, POP-Norm Table 2, BNP Tables 1-3)."""
+    from bnexp.report.reference import bnp_learning_rates, published
+
+    frame = published()
+    assert list(frame.columns) == ["paper", "table", "dataset", "model", "activation", "row", "method", "metric",
+                                   "mean", "std", "note"]
+    assert set(frame["paper"]) == {"cbn", "popnorm", "bnp"}
+    assert set(frame["metric"]) == {"top1", "top5", "seconds_per_epoch"}
+    assert frame["mean"].notna().all() and (frame["std"].dropna() >= 0).all()
+    accuracy = frame[frame["metric"] != "seconds_per_epoch"]
+    assert accuracy["mean"].between(0, 100).all()
+    assert not frame.duplicated(["paper", "table", "dataset", "model", "activation", "row", "method", "metric"]).any()
+
+    def cell(**keys: str) -> tuple[float, float]:
+        rows = frame
+        for key, value in keys.items():
+            rows = rows[rows[key] == value]
+        assert len(rows) == 1, keys
+        return float(rows["mean"].iloc[0]), float(rows["std"].iloc[0])
+
+    assert cell(paper="cbn", table="1", activation="sigmoid", row="1") == (78.97, 0.53)
+    assert cell(paper="cbn", table="1", activation="relu", row="2") == (91.98, 0.06)
+    assert cell(paper="popnorm", table="1", dataset="cifar10", model="resnet20", activation="sigmoid",
+                method="popnorm")[0] == 89.68
+    lrs = bnp_learning_rates()
+    assert lrs[("mlp3x100", "cifar10", 1, "bnp")] == 0.1 and lrs[("mlp3x100", "cifar10", 1, "bn")] is None
+    assert lrs[("cnn5", "cifar10", 2, "brn")] == 0.01 and len(lrs) == 62
