@@ -10,7 +10,7 @@ import importlib
 import logging
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -36,6 +36,7 @@ commands:
   bench      speed: bnexp bench norms|step|data|run [reps=5] [out=FILE.json] (docs/benchmarks.md)
   lrsearch   largest stable lr per method (CBN Table 6): bnexp lrsearch [methods=[none,cbn]] [acts=[relu]] [lrs=[...]] [out=DIR]
   hessian    Hessian condition numbers in training (BNP Fig. 8): bnexp hessian [norms=[none,bnp]] [out=DIR]
+  claims     the papers' claims checked on real digits, with verdicts: bnexp claims [all | NAME ...] [scale=quick]
 
 Run `bnexp train --help` for the config groups and their options."""
 
@@ -99,6 +100,15 @@ def train_command(args: list[str]) -> None:
     app()
 
 
+def multirun(overrides: Sequence[str]) -> None:
+    """``bnexp train -m OVERRIDES`` in this process; a non-zero exit is raised as SystemExit."""
+    try:
+        main(["train", "-m", *overrides])
+    except SystemExit as exit_:
+        if exit_.code:
+            raise
+
+
 def _report_command(name: str) -> Callable[[list[str]], None]:
     """``bnexp <name>``: :func:`bnexp.report.<name>.command`, imported when called."""
     return lambda args: importlib.import_module(f"bnexp.report.{name}").command(args)
@@ -110,6 +120,7 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "bench": lambda args: importlib.import_module("bnexp.bench").command(args),
     "lrsearch": lambda args: importlib.import_module("bnexp.probes.lrsearch").command(args),
     "hessian": lambda args: importlib.import_module("bnexp.probes.hessian_study").command(args),
+    "claims": lambda args: importlib.import_module("bnexp.studies.claims").command(args),
 }
 
 

@@ -26,13 +26,9 @@ TUNED_OPTION = re.compile(r"r(\d+)_rho(.+)")
 
 def launch(p: Plan, arguments: Sequence[str]) -> None:
     """``bnexp train -m`` over the preset with these extra sweep arguments, in-process."""
-    from bnexp.cli import main
+    from bnexp.cli import multirun
 
-    try:
-        main(["train", "-m", *preset_overrides(p.name, p.scale), *p.overrides, *arguments])
-    except SystemExit as exit_:
-        if exit_.code:
-            raise
+    multirun([*preset_overrides(p.name, p.scale), *p.overrides, *arguments])
 
 
 def options(p: Plan, key: str) -> list[str]:
