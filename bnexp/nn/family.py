@@ -20,6 +20,9 @@ AMAT_MEAN_GUARD = 1e-6  # |mu_B| below this: r_mu = 1 (no ratio through a vanish
 BEFORE_FORWARD = "before_forward"  # update mu_A, sigma_A^2 with the current batch, then normalize
 AFTER_FORWARD = "after_forward"  # normalize with the averages of earlier batches, then update them
 AMAT_UPDATES = (BEFORE_FORWARD, AFTER_FORWARD)
+# bnexp's default bound on r_mu = mu_A / mu_B (the paper leaves it unclipped: amat_r_max=None);
+# batch renormalization's usual limit. docs/methods/cbn.md has the measurements behind it.
+AMAT_R_MAX = 3.0
 
 
 class NormFamily(ChannelNorm):
@@ -270,15 +273,19 @@ class NormFamily2d(NormFamily):
 
 class _CBNPreset:
     def __init__(self, num_features: int, rho: float = 1.0, amat: bool = True, **kw: Any) -> None:
+        if amat:
+            kw.setdefault("amat_r_max", AMAT_R_MAX)
         super().__init__(num_features, decouple=True, rho=rho, amat=amat, **kw)  # type: ignore[call-arg]
 
 
 class CBN1d(_CBNPreset, NormFamily1d):
-    """Complete BN over features: centered, scaled, decoupled, rho, AMAT (preset ``cbn``)."""
+    """Complete BN over features: centered, scaled, decoupled, rho, AMAT with ``r_mu`` clipped
+    to ``[-3, 3]`` (preset ``cbn``; ``amat_r_max=None`` is the paper's unclipped form)."""
 
 
 class CBN2d(_CBNPreset, NormFamily2d):
-    """Complete BN over images: centered, scaled, decoupled, rho, AMAT (preset ``cbn``)."""
+    """Complete BN over images: centered, scaled, decoupled, rho, AMAT with ``r_mu`` clipped
+    to ``[-3, 3]`` (preset ``cbn``; ``amat_r_max=None`` is the paper's unclipped form)."""
 
 
 class _POPNormPreset:

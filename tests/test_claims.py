@@ -1,0 +1,152 @@
+"""``bnexp claims``: the criteria on hand-made results, and the pipeline at toy size."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from bnexp.report.results import load_summaries
+from bnexp.studies.claims import (CHANCE, CLAIMS, FAILS, HOLDS, NOT_RUN, SHOWN, Sample, arm_overrides, beats_clearly,
+                                  judge_arora, judge_bnp, judge_cbn, judge_forms, judge_hessian, judge_lr, merged)
+from tests.conftest import run_cli
+
+
+def write_run(root: Path, name: str, config: dict, status: str = "completed", top1: float = 90.0, **summary) -> Path:
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"status": status, "final_top1": top1, "num_classes": 10,
+                                                  "config": config, **summary}))
+    return run
+
+
+def test_beats_clearly_needs_both_the_error_ratio_and_two_standard_errors() -> None:
+    bn = Sample([90.0, 91.0, 92.0])  # error 9 %, std 1
+    assert beats_clearly(Sample([93.5, 93.2, 93.8]), bn)  # error 6.5 % <= 6.75 %, gap 2.5 >> 2 SE
+    assert not beats_clearly(Sample([93.0, 93.1, 92.9]), bn)  # error 7 % > 0.75 x 9 %
+    assert not beats_clearly(Sample([99.0, 89.0, 94.0]), bn)  # error 6 % but the gap (3) < 2 SE (5.9)
+
+
+def test_sample_counts_a_diverged_run_as_chance(tmp_path: Path) -> None:
+    cfg = {"tags": {"row": 2}, "act": {"name": "tanh"}}
+    write_run(tmp_path, "a", cfg, top1=97.0)
+    write_run(tmp_path, "b", cfg, status="diverged", top1=95.0)
+    write_run(tmp_path, "c", cfg, status="failed")
+    from bnexp.studies.claims import sample
+
+    got = sample(load_summaries(tmp_path), tags__row=2, act__name="tanh")
+    assert got.values == [97.0, CHANCE] and (got.diverged, got.failed) == (1, 1)
+    assert got.text() == "53.50 ± 61.52 (2; 1 diverged, 1 failed)"
+
+
+def test_cbn_judge_per_activation(tmp_path: Path) -> None:
+    for seed, (bn_sig, cbn_sig, bn_relu, cbn_relu) in enumerate([(80, 90, 95, 95.5), (81, 90.5, 95.2, 95.1),
+                                                                 (79, 89.5, 94.8, 95.4)]):
+        for row, act, top1 in ((1, "sigmoid", bn_sig), (2, "sigmoid", cbn_sig), (1, "relu", bn_relu),
+                               (2, "relu", cbn_relu)):
+            write_run(tmp_path, f"{row}{act}{seed}", {"tags": {"row": row}, "act": {"name": act}}, top1=top1)
+    sigmoid, tanh, relu = judge_cbn(load_summaries(tmp_path))
+    assert sigmoid.verdict == HOLDS and sigmoid.measured == "BN 80.00 ± 1.00 (3) vs CBN 90.00 ± 0.50 (3)"
+    assert tanh.verdict == NOT_RUN  # no tanh runs (make demo runs sigmoid and relu only)
+    assert relu.verdict == HOLDS
+
+
+def test_forms_judge_marks_only_the_papers_forms(tmp_path: Path) -> None:
+    for norm in ("cbn", "popnorm"):
+        for join in ("after_act", "before_act"):
+            for classifier in (True, False):
+                top1 = 10.0 if (join, classifier) == ("after_act", False) else 95.0
+                write_run(tmp_path, f"{norm}{join}{classifier}",
+                          {"norm": {"name": norm, "join": join, "classifier": classifier}}, top1=top1)
+    findings = judge_forms(load_summaries(tmp_path))
+    verdicts = {f.claim: f.verdict for f in findings}
+    assert verdicts["cbn join=after_act, classifier=true (the paper's form) trains"] == HOLDS
+    assert verdicts["popnorm join=before_act, classifier=false (the paper's form) trains"] == HOLDS
+    assert verdicts["cbn join=after_act, classifier=false"] == SHOWN and len(findings) == 8
+
+
+def write_lr(root: Path, method: str, lr: float, collapse: bool) -> None:
+    run = write_run(root, f"{method}/{lr}", {"tags": {"method": method}, "optim": {"lr": lr}},
+                    status="diverged" if collapse else "completed", top1=10.0 if collapse else 90.0)
+    (run / "probes.csv").write_text(f"step,probe,layer,quantity,value\n0,loss,all,loss,2.4\n9,loss,all,loss,"
+                                    f"{0.3 if not collapse else math.nan}\n")
+
+
+def test_lr_judge_orders_the_largest_stable_rates(tmp_path: Path) -> None:
+    for limits, verdict in (({"none": 0.01, "mean_removal": 0.1, "l2_division": 0.1, "cbn": 1.0}, HOLDS),
+                            ({"none": 0.01, "mean_removal": 0.1, "l2_division": 0.1, "cbn": 0.01}, FAILS)):
+        root = tmp_path / verdict
+        for method, limit in limits.items():
+            for lr in (0.01, 0.1, 1.0):
+                write_lr(root, method, lr, collapse=lr > limit)
+        (finding,) = judge_lr(load_summaries(root))
+        assert finding.verdict == verdict
+    assert finding.measured == "none 0.01, mean_removal 0.1, l2_division 0.1, cbn 0.01"
+
+
+def test_bnp_judge(tmp_path: Path) -> None:
+    for norm, batch, top1 in (("bnp", 1, 90.0), ("bnp", 2, 91.0), ("bn", 2, 60.0), ("none", 1, 50.0),
+                              ("none", 2, 70.0)):
+        write_run(tmp_path, f"{norm}{batch}", {"norm": {"name": norm}, "trainer": {"batch_size": batch}}, top1=top1)
+    (finding,) = judge_bnp(load_summaries(tmp_path))
+    assert finding.verdict == HOLDS and "batch 1 refused" in finding.measured
+    write_run(tmp_path, "bnp1b", {"norm": {"name": "bnp"}, "trainer": {"batch_size": 1}}, top1=60.0)
+    assert judge_bnp(load_summaries(tmp_path))[0].verdict == FAILS  # BNP at batch 1 now averages 75 %
+
+
+def test_hessian_judge_reads_the_probe(tmp_path: Path) -> None:
+    for norm, (plain, pre) in (("none", (100.0, 20.0)), ("bnp", (50.0, 60.0))):
+        run = write_run(tmp_path, norm, {"norm": {"name": norm}})
+        rows = [f"{s},hessian,x,{q},{v}" for s in (0, 10) for q, v in (("kappa_hessian", plain),
+                                                                       ("kappa_preconditioned", pre))]
+        (run / "probes.csv").write_text("step,probe,layer,quantity,value\n" + "\n".join(rows) + "\n")
+    (finding,) = judge_hessian(load_summaries(tmp_path))
+    assert finding.verdict == FAILS and "bnp: kappa(H) 50, kappa(P^T H P) 60" in finding.measured
+
+
+def test_arora_judge(tmp_path: Path) -> None:
+    for lr_w, loss in ((0.01, 0.05), (100.0, 0.2)):
+        write_run(tmp_path, f"bn{lr_w}", {"norm": {"name": "bn"}, "optim": {"lr_w": lr_w, "lr": 0.1}},
+                  final_train_loss=loss)
+    write_run(tmp_path, "none10", {"norm": {"name": "none"}, "optim": {"lr_w": None, "lr": 10.0}},
+              status="diverged", top1=10.0)
+    write_run(tmp_path, "none100", {"norm": {"name": "none"}, "optim": {"lr_w": None, "lr": 100.0}},
+              top1=9.0, final_train_loss=math.log(10))
+    bn, none = judge_arora(load_summaries(tmp_path))
+    assert bn.verdict == HOLDS and none.verdict == HOLDS
+    assert none.measured == "lr 10: diverged, lr 100: 9.0 %"
+
+
+def test_user_overrides_replace_a_claims_own() -> None:
+    assert merged(["act=sigmoid,tanh,relu", "norm.rho=1"], ["act=sigmoid,relu", "+x=1"]) == \
+        ["act=sigmoid,relu", "norm.rho=1", "+x=1"]
+    args = arm_overrides(CLAIMS["cbn"].arms[0], Path("OUT"), "quick", 2, ["act=relu"])
+    assert "act=relu" in args and "trainer.seed=0" in args and "hydra.launcher.n_jobs=2" in args
+    assert "trainer.max_steps=4" in args and "hydra.sweep.dir=OUT" in args
+
+
+def test_listing_and_bad_names(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_cli(["claims"], capsys)
+    assert code == 0 and all(name in out for name in CLAIMS)
+    code, out = run_cli(["claims", "cnb"], capsys)
+    assert code == 2 and "unknown claim 'cnb'" in out and "cbn" in out
+    code, out = run_cli(["claims", "cbn", "scale=huge"], capsys)
+    assert code == 2 and "full, quick" in out
+
+
+@pytest.mark.slow
+def test_every_claim_runs_through_the_presets_at_toy_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_cli(["claims", "all", "scale=quick", "jobs=1", f"out={tmp_path}", "trainer.device=cpu"], capsys)
+    assert code == 0, out[-3000:]
+    assert "verdicts are not evidence" in out and "not CIFAR or ImageNet numbers" in out
+    table = pd.read_csv(tmp_path / "claims.md", sep="|", skipinitialspace=True).iloc[1:]
+    verdicts = table.iloc[:, 5].str.strip()
+    assert set(verdicts) <= {HOLDS, FAILS, SHOWN, NOT_RUN} and len(table) == 3 + 1 + 8 + 1 + 1 + 1 + 2
+    for claim in CLAIMS.values():  # every run of every claim trained on the real digits
+        frame = load_summaries(tmp_path / claim.name)
+        assert len(frame) and set(frame["status"]) <= {"completed", "diverged"} and set(frame["data.name"]) == {"digits"}
+    code, out = run_cli(["claims", "popnorm", "scale=quick", "jobs=1", f"out={tmp_path}", "trainer.device=cpu"], capsys)
+    assert code == 0 and "2 skipped" in out  # a second call reuses the finished runs
