@@ -39,7 +39,7 @@ def test_sample_counts_a_diverged_run_as_chance(tmp_path: Path) -> None:
 
     got = sample(load_summaries(tmp_path), tags__row=2, act__name="tanh")
     assert got.values == [97.0, CHANCE] and (got.diverged, got.failed) == (1, 1)
-    assert got.text() == "53.50 ± 61.52 (2; 1 diverged, 1 failed)"
+    assert got.text() == "53.50 ± 61.52 % (2; 1 diverged, 1 failed)"
 
 
 def test_cbn_judge_per_activation(tmp_path: Path) -> None:
@@ -49,7 +49,7 @@ def test_cbn_judge_per_activation(tmp_path: Path) -> None:
                                (2, "relu", cbn_relu)):
             write_run(tmp_path, f"{row}{act}{seed}", {"tags": {"row": row}, "act": {"name": act}}, top1=top1)
     sigmoid, tanh, relu = judge_cbn(load_summaries(tmp_path))
-    assert sigmoid.verdict == HOLDS and sigmoid.measured == "BN 80.00 ± 1.00 (3) vs CBN 90.00 ± 0.50 (3)"
+    assert sigmoid.verdict == HOLDS and sigmoid.measured == "BN 80.00 ± 1.00 % (3) vs CBN 90.00 ± 0.50 % (3)"
     assert tanh.verdict == NOT_RUN  # no tanh runs (make demo runs sigmoid and relu only)
     assert relu.verdict == HOLDS
 
@@ -84,7 +84,7 @@ def test_lr_judge_orders_the_largest_stable_rates(tmp_path: Path) -> None:
                 write_lr(root, method, lr, collapse=lr > limit)
         (finding,) = judge_lr(load_summaries(root))
         assert finding.verdict == verdict
-    assert finding.measured == "none 0.01, mean_removal 0.1, l2_division 0.1, cbn 0.01"
+    assert finding.measured == "largest stable lr: none 0.01, mean_removal 0.1, l2_division 0.1, cbn 0.01"
 
 
 def test_bnp_judge(tmp_path: Path) -> None:
@@ -117,7 +117,7 @@ def test_arora_judge(tmp_path: Path) -> None:
               top1=9.0, final_train_loss=math.log(10))
     bn, none = judge_arora(load_summaries(tmp_path))
     assert bn.verdict == HOLDS and none.verdict == HOLDS
-    assert none.measured == "lr 10: diverged, lr 100: 9.0 %"
+    assert none.measured == "test top-1: lr 10: diverged, lr 100: 9.0 %"
 
 
 def test_user_overrides_replace_a_claims_own() -> None:

@@ -100,7 +100,7 @@ class Sample:
         if not self.n:
             return f"no runs{f' ({self.failed} failed)' if self.failed else ''}"
         notes = [f"{k} {what}" for what, k in (("diverged", self.diverged), ("failed", self.failed)) if k]
-        return f"{self.mean:.2f} ± {self.std:.2f} ({self.n}{'; ' + ', '.join(notes) if notes else ''})"
+        return f"{self.mean:.2f} ± {self.std:.2f} % ({self.n}{'; ' + ', '.join(notes) if notes else ''})"
 
 
 def sample(frame: pd.DataFrame, **keys: object) -> Sample:
@@ -196,7 +196,8 @@ def judge_lr(frame: pd.DataFrame) -> list[Finding]:
         found[method] = 0.0 if best is None else float(best)
     order = [found[m] for m in LR_METHODS]
     ok = order[0] < order[1] <= order[2] <= order[3]
-    measured = ", ".join(f"{m} {found[m]:g}" if found[m] else f"{m} none stable" for m in LR_METHODS)
+    measured = "largest stable lr: " + ", ".join(f"{m} {found[m]:g}" if found[m] else f"{m} none stable"
+                                                 for m in LR_METHODS)
     return [Finding("largest stable lr: none < mean removal <= l2 division <= CBN", measured,
                     "the Table 6 rule (diverged, loss not lowered, or collapsed to chance: unstable); "
                     "no stable lr counts as below the grid", HOLDS if ok else FAILS)]
@@ -250,19 +251,19 @@ def judge_arora(frame: pd.DataFrame) -> list[Finding]:
     """Arora et al.: with BN the final loss barely depends on lr_w over four decades; without
     BN the large learning rates do not train."""
     bn, none = runs_of(frame, "bn", "optim.lr_w"), runs_of(frame, "none", "optim.lr")
-    bn_text = ", ".join(f"lr_w {float(r['optim.lr_w']):g}: " + (f"{float(r['final_train_loss']):.3f}"
-                                                                  if r["status"] == "completed" else r["status"])
-                        for r in bn)
+    bn_text = "final training loss: " + ", ".join(
+        f"lr_w {float(r['optim.lr_w']):g}: " + (f"{float(r['final_train_loss']):.3f}" if r["status"] == "completed"
+                                                else r["status"]) for r in bn)
     bn_ok = all(r["status"] == "completed" and float(r["final_train_loss"]) <= CONVERGED_LOSS for r in bn)
-    none_text = ", ".join(f"lr {float(r['optim.lr']):g}: " + (f"{float(r['final_top1']):.1f} %"
-                                                              if r["status"] == "completed" else r["status"])
-                          for r in none)
+    none_text = "test top-1: " + ", ".join(
+        f"lr {float(r['optim.lr']):g}: " + (f"{float(r['final_top1']):.1f} %" if r["status"] == "completed"
+                                            else r["status"]) for r in none)
     large = [r for r in none if float(r["optim.lr"]) >= 10.0]
     return [
-        Finding("with BN the final training loss is nearly the same for lr_w 0.01 ... 100", bn_text or "no runs",
+        Finding("with BN the final training loss is nearly the same for lr_w 0.01 ... 100", bn_text if bn else "no runs",
                 f"every lr_w ends below {CONVERGED_LOSS:.2f} nats (a tenth of chance)",
                 NOT_RUN if not bn else HOLDS if bn_ok else FAILS),
-        Finding("without BN the large learning rates (10, 100) do not train", none_text or "no runs",
+        Finding("without BN the large learning rates (10, 100) do not train", none_text if none else "no runs",
                 "diverged, or collapsed to chance (the Table 6 rule)",
                 NOT_RUN if not large else HOLDS if all(map(did_not_train, large)) else FAILS),
     ]
@@ -347,8 +348,8 @@ def run_claim(claim: Claim, out: Path, scale: str, jobs: int, extra: Sequence[st
 
 def render(rows: list[tuple[Claim, Finding]], fmt: str) -> str:
     """The claims table as markdown or CSV."""
-    frame = pd.DataFrame([{"source": c.source, "claim": f.claim, "measured (test top-1 %: mean ± std (seeds))":
-                           f.measured, "criterion": f.criterion, "verdict": f.verdict} for c, f in rows])
+    frame = pd.DataFrame([{"source": c.source, "claim": f.claim, "measured (mean ± std (seeds))": f.measured,
+                           "criterion": f.criterion, "verdict": f.verdict} for c, f in rows])
     return frame.to_markdown(index=False) + "\n" if fmt == "markdown" else frame.to_csv(index=False)
 
 
