@@ -139,12 +139,12 @@ def test_listing_and_bad_names(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.slow
 def test_every_claim_runs_through_the_presets_at_toy_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out = run_cli(["claims", "all", "scale=quick", "jobs=1", f"out={tmp_path}", "trainer.device=cpu"], capsys)
+    code, out = run_cli(["claims", "all", "scale=quick", "jobs=1", f"out={tmp_path}", "format=csv",
+                         "trainer.device=cpu"], capsys)
     assert code == 0, out[-3000:]
     assert "verdicts are not evidence" in out and "not CIFAR or ImageNet numbers" in out
-    table = pd.read_csv(tmp_path / "claims.md", sep="|", skipinitialspace=True).iloc[1:]
-    verdicts = table.iloc[:, 5].str.strip()
-    assert set(verdicts) <= {HOLDS, FAILS, SHOWN, NOT_RUN} and len(table) == 3 + 1 + 8 + 1 + 1 + 1 + 2
+    table = pd.read_csv(tmp_path / "claims.csv")
+    assert set(table["verdict"]) <= {HOLDS, FAILS, SHOWN, NOT_RUN} and len(table) == 3 + 1 + 8 + 1 + 1 + 1 + 2
     for claim in CLAIMS.values():  # every run of every claim trained on the real digits
         frame = load_summaries(tmp_path / claim.name)
         assert len(frame) and set(frame["status"]) <= {"completed", "diverged"} and set(frame["data.name"]) == {"digits"}
