@@ -235,7 +235,8 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
     batch_statistics = uses_batch_statistics(cfg.norm)
     loaders = build_loaders(bundle, cfg.data, batch_size, cfg.trainer.seed, device.type == "cuda", device,
                             rank=d.rank, world_size=d.world_size, drop_last=drop_last(cfg.data, batch_statistics))
-    if batch_statistics and loaders.sampler.smallest_batch < 2:
+    pooled = d.world_size if cfg.norm.get("sync") else 1  # norm.sync: statistics over every process's share
+    if batch_statistics and loaders.sampler.smallest_batch * pooled < 2:
         raise ConfigError(f"norm={cfg.norm.name} normalizes with batch statistics, and with data.drop_last=false the "
                           f"last batch of each epoch holds one image ({loaders.sampler.size} images, batches of "
                           f"{batch_size}): set data.drop_last=true (or null) or another trainer.batch_size")

@@ -11,8 +11,9 @@ import pytest
 from bnexp.probes.lrsearch import collapsed, max_stable
 from tests.conftest import TINY, run_cli
 
-TOY = [o for o in TINY if not o.startswith("trainer.max_steps")] + ["model=mlp2x100", "model.width=8",
-                                                                    "trainer.max_steps=8"]
+# real digits, so that a stable lr learns (a run that learns nothing counts as collapsed to chance)
+TOY = ["data=digits", "data.image_size=8", "data.channels=1", "model=mlp2x100", "model.width=16",
+       "trainer.batch_size=32", "trainer.max_steps=20", "trainer.device=cpu"]
 
 
 def test_collapse_rule() -> None:
@@ -23,8 +24,9 @@ def test_collapse_rule() -> None:
     # collapsed to chance: below a large initial loss, but at ln(10) and guessing
     assert collapsed("completed", 7.5, math.log(10), 10.3, 10)
     assert collapsed("completed", 7.5, 1.04 * math.log(10), 19.0, 10)
+    assert collapsed("completed", 7.5, 2.5 * math.log(10), 10.0, 10)  # a confident constant prediction
     assert not collapsed("completed", 7.5, math.log(10), 21.0, 10)  # above twice the guessing rate
-    assert not collapsed("completed", 7.5, 0.94 * math.log(10), 12.0, 10)  # the loss left ln(10)
+    assert not collapsed("completed", 7.5, 0.94 * math.log(10), 12.0, 10)  # the loss went below ln(10)
     assert collapsed("completed", 9.0, math.log(100), 1.5, 100)
 
 
@@ -38,15 +40,15 @@ def test_max_stable_takes_the_largest_lr_no_seed_collapses_at() -> None:
 
 
 def test_lrsearch_marks_a_huge_lr_as_collapsed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["lrsearch", *TOY, "methods=[none]", "acts=[relu]", "lrs=[1e-2,1e3]", f"out={tmp_path}", "format=csv"]
+    args = ["lrsearch", *TOY, "methods=[none]", "acts=[relu]", "lrs=[1e-1,1e3]", f"out={tmp_path}", "format=csv"]
     code, out = run_cli(args, capsys)
     assert code == 0, out
     runs = pd.read_csv(tmp_path / "lrsearch_runs.csv").set_index("lr")
-    assert not runs.loc[1e-2, "collapsed"] and runs.loc[1e-2, "final_loss"] < runs.loc[1e-2, "initial_loss"]
+    assert not runs.loc[1e-1, "collapsed"] and runs.loc[1e-1, "final_loss"] < runs.loc[1e-1, "initial_loss"]
     assert runs.loc[1e3, "collapsed"]
     table = pd.read_csv(tmp_path / "lrsearch.csv")
-    assert table[["method", "act", "max_stable_lr"]].values.tolist() == [["none", "relu", 1e-2]]
-    assert (tmp_path / "none" / "relu" / "lr=0.01,seed=0" / "probes.csv").is_file()
+    assert table[["method", "act", "max_stable_lr"]].values.tolist() == [["none", "relu", 1e-1]]
+    assert (tmp_path / "none" / "relu" / "lr=0.1,seed=0" / "probes.csv").is_file()
     code, out = run_cli(args, capsys)  # finished candidates are reused, not trained again
     assert code == 0 and out.count("(reused)") == 2
 

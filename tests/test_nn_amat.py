@@ -21,7 +21,9 @@ VIEW = {1: (1, 3), 2: (1, 3, 1, 1)}
 
 
 def make(dim: int, decouple: bool = True, **kw) -> nn.Module:
+    """An AMAT layer in the paper's unclipped form unless ``amat_r_max`` is given."""
     cls = NormFamily1d if dim == 1 else NormFamily2d
+    kw.setdefault("amat_r_max", None)
     m = cls(3, decouple=decouple, rho=RHO, amat=True, eps=EPS, **kw).to(DT)
     with torch.no_grad():
         m.weight.copy_(torch.tensor([0.8, 1.3, 1.1]))
@@ -357,5 +359,33 @@ def test_amat_settings_are_checked():
         CBN2d(3, amat_update="later")
     with pytest.raises(ValueError, match="amat_r_max must be positive"):
         CBN2d(3, amat_r_max=0.0)
-    with pytest.raises(ValueError, match="only meaningful with amat=True"):
-        NormFamily2d(3, amat_r_max=3.0)
+    assert CBN2d(3).amat_r_max == NormFamily2d(3, amat=True).amat_r_max == 3.0  # bnexp's default bound
+    assert CBN2d(3, amat_r_max=None).amat_r_max is None  # the paper's unclipped ratio
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([], (3.0, "before_forward")),
+    (["norm.amat_r_max=null"], (None, "before_forward")),
+    (["norm.amat_update=after_forward", "norm.amat_r_max=1.5"], (1.5, "after_forward")),
+])
+def test_cbn_preset_builds_amat_layers_with_its_settings(overrides, expected):
+    from bnexp.models import DataSpec, build_model
+    from tests.conftest import TINY, compose_cfg
+
+    cfg = compose_cfg([*TINY, "norm=cbn", *overrides])
+    model = build_model(cfg.model, cfg.norm, "tanh", DataSpec(10, 3, 8))
+    layers = [m for m in model.modules() if isinstance(m, (NormFamily1d, NormFamily2d))]
+    assert len(layers) == 20 and all(m.amat for m in layers)
+    assert {(m.amat_r_max, m.amat_update) for m in layers} == {expected}
+
+
+@pytest.mark.parametrize("override,message", [("norm.amat_r_max=0", "norm.amat_r_max=0 is not valid"),
+                                              ("norm.amat_update=later", "unknown norm.amat_update 'later'")])
+def test_bad_amat_settings_are_config_errors(override, message):
+    from bnexp.errors import ConfigError
+    from bnexp.models import DataSpec, build_model
+    from tests.conftest import TINY, compose_cfg
+
+    cfg = compose_cfg([*TINY, "norm=cbn", override])
+    with pytest.raises(ConfigError, match=message):
+        build_model(cfg.model, cfg.norm, "tanh", DataSpec(10, 3, 8))

@@ -12,8 +12,8 @@ from torch import nn
 
 from bnexp.nn import CBN2d, POPNorm2d
 from bnexp.probes import read_probes
-from bnexp.probes.callback import ProbesCallback, ProbeWriter, probes_callback
-from bnexp.probes.eta_tau import QUANTILES, EtaTau, quantity_name
+from bnexp.probes.callback import PROBES, ProbesCallback, ProbeWriter, probes_callback
+from bnexp.probes.eta_tau import QUANTILES, AmatRatio, EtaTau, quantity_name
 from bnexp.probes.gradients import GradNorm, gradient_variance
 from bnexp.trainer import train
 from tests.conftest import TINY, compose_cfg, read_metrics
@@ -84,13 +84,37 @@ def test_eta_tau_quantiles_equal_the_formula(amat: bool) -> None:
     mu_b = xn.mean(axis=(0, 2, 3))
     x1 = xn - mu_b[None, :, None, None] + beta[None, :, None, None]
     sigma_b = np.sqrt((x1**2).mean(axis=(0, 2, 3)) + layer.eps)
-    if amat:  # eta_k = 1 - 10 * 0.05: mu_A averages this batch in before the forward uses it
-        mu_a = 0.5 * mu_a + 0.5 * mu_b
+    if amat:  # eta_k = 1 - 10 * 0.05: mu_A averages this batch in, then r_mu = mu_A / mu_B is clipped at 3
+        ratio = (0.5 * mu_a + 0.5 * mu_b) / mu_b
+        assert (np.abs(ratio) > 3).any() and (np.abs(ratio) < 3).any()  # the clip binds on some channels only
+        mu_a = np.clip(ratio, -3.0, 3.0) * mu_b
     expected = {"eta": (mu_b - beta) / mu_a, "tau": gamma / (2.0 * sigma_b)}
     assert len(got) == 2 * len(QUANTILES)
     for prefix, values in expected.items():
         for q, value in zip(QUANTILES, np.quantile(values, QUANTILES)):
             assert got[("0", quantity_name(prefix, q))] == pytest.approx(value, rel=1e-9)
+
+
+def test_amat_probe_reports_the_ratio_the_forward_uses() -> None:
+    """max |r_mu| with r_mu = clip((eta mu_A + (1 - eta) mu_B) / mu_B, -3, 3), and min |mu_B|."""
+    g = torch.Generator().manual_seed(2)
+    layer = CBN2d(5).double()
+    layer.amat_mean = torch.tensor([1.0, -2.0, 0.5, 3.0, 0.2], dtype=torch.float64)
+    layer.amat_steps.fill_(4)
+    x = torch.randn(6, 5, 3, 3, generator=g, dtype=torch.float64) + torch.tensor([1.0, -1.0, 0.05, 2.0, 0.3],
+                                                                                  dtype=torch.float64).view(1, 5, 1, 1)
+    mu_b = x.mean(dim=(0, 2, 3))
+    ratio = (0.5 * layer.amat_mean + 0.5 * mu_b) / mu_b  # eta = 1 - 10 * 0.05
+    assert ratio.abs().max() > 3  # the bound binds on this batch
+    probe = AmatRatio({"every": 1}, None)
+    state = SimpleNamespace(model=nn.Sequential(layer), step=0, total_steps=3)
+    probe.on_train_start(state)
+    probe.before_step(state)
+    layer.set_learning_rate(0.05)
+    layer(x)
+    got = {quantity: value for _, _, _, quantity, value in probe.drain()}
+    assert got == pytest.approx({"r_mu_max_abs": ratio.clamp(-3, 3).abs().max().item(),
+                                 "mu_b_min_abs": mu_b.abs().min().item()}, rel=1e-12)
 
 
 def _trajectory(run: Path) -> tuple[list[dict[str, str]], dict[str, torch.Tensor]]:
@@ -105,7 +129,11 @@ SETUPS = {
     "bnp": ["model=mlp2x100", "norm=bnp"],  # BNP statistics in forward hooks, the hessian probe
 }
 CASES = [("grad_norm", "bnp"), ("grad_var", "cbn"), ("grad_var", "bnp"), ("loss", "cbn"), ("eta_tau", "cbn"),
-         ("weights", "bn"), ("time", "bn"), ("hessian", "bnp")]
+         ("amat", "cbn"), ("weights", "bn"), ("time", "bn"), ("hessian", "bnp")]
+
+
+def test_every_probe_is_checked_for_leaving_training_unchanged() -> None:
+    assert {probe for probe, _ in CASES} == set(PROBES.names())
 
 
 @pytest.fixture(scope="module")

@@ -122,4 +122,6 @@ class EfficientNet(nn.Module):
         nn.init.zeros_(self.fc.op.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.dropout(torch.flatten(self.pool(self.features(x)), 1)))
+        # a before_op classifier normalization sees the features before dropout, as in eval
+        x = self.fc.normalize_input(torch.flatten(self.pool(self.features(x)), 1))
+        return self.fc.from_normalized(self.dropout(x))

@@ -43,7 +43,8 @@ class NormFamily(ChannelNorm):
     ``amat_update="before_forward"`` (the default, METHODS.md's revised order) adds the
     current batch to the averages before normalizing with them, so ``eta = 0`` is plain
     batch statistics; ``"after_forward"`` is Algorithm 1 as printed (earlier batches only).
-    ``amat_r_max`` clips ``r_mu = mu_A / mu_B`` into ``[-r_max, r_max]`` (None: unclipped).
+    ``amat_r_max`` clips ``r_mu = mu_A / mu_B`` into ``[-r_max, r_max]``: 3 by default, bnexp's
+    departure from the paper's unclipped ratio (``None``); ignored without AMAT.
     """
 
     def __init__(
@@ -58,7 +59,7 @@ class NormFamily(ChannelNorm):
         momentum: float = 0.1,
         amat_eta: Optional[float] = None,
         amat_update: str = BEFORE_FORWARD,
-        amat_r_max: Optional[float] = None,
+        amat_r_max: Optional[float] = AMAT_R_MAX,
     ) -> None:
         super().__init__(num_features, eps)
         if rho <= 0:
@@ -72,11 +73,8 @@ class NormFamily(ChannelNorm):
             check_fraction("amat_eta", amat_eta)
         if amat_update not in AMAT_UPDATES:
             raise ValueError(f"amat_update must be one of {', '.join(AMAT_UPDATES)}, got {amat_update!r}")
-        if amat_r_max is not None:
-            if not amat:
-                raise ValueError("amat_r_max is only meaningful with amat=True")
-            if not amat_r_max > 0:
-                raise ValueError(f"amat_r_max must be positive (or None: unclipped), got {amat_r_max!r}")
+        if amat_r_max is not None and not amat_r_max > 0:
+            raise ValueError(f"amat_r_max must be positive (or None: unclipped), got {amat_r_max!r}")
         self.center = center
         self.scale = scale
         self.decouple = decouple
@@ -222,31 +220,31 @@ class NormFamily(ChannelNorm):
             return updated
         return torch.where(self.amat_steps == 0, batch, average)
 
-    def amat_forward_mean(self, mean: Tensor) -> Tensor:
-        """``mu_A`` the coming training forward centers with, given its batch mean ``mu_B``.
-        Changes nothing (the ``eta_tau`` probe reads it)."""
+    def amat_mean_ratio(self, mean: Tensor) -> Tensor:
+        """``r_mu`` of the coming training forward, given its batch mean ``mu_B``: ``mu_A / mu_B``
+        with ``mu_A`` as that forward uses it (this batch averaged in first under
+        ``before_forward``), 1 on the first step and where ``|mu_B|`` is below
+        :data:`AMAT_MEAN_GUARD`, clipped into ``[-amat_r_max, amat_r_max]``. Changes nothing;
+        the forward centres with ``r_mu * mu_B`` (the ``amat`` and ``eta_tau`` probes read it)."""
         with torch.no_grad():
-            return self._amat_in_use(self.amat_mean, torch.lerp(self.amat_mean, mean, self._amat_new_weight()), mean)
+            mu_a = self._amat_in_use(self.amat_mean, torch.lerp(self.amat_mean, mean, self._amat_new_weight()), mean)
+            r_mu = torch.where((self.amat_steps == 0) | (mean.abs() < AMAT_MEAN_GUARD), 1.0, mu_a / mean)
+            return r_mu if self.amat_r_max is None else r_mu.clamp(-self.amat_r_max, self.amat_r_max)
 
     def _amat_step(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """One training step of AMAT: ``r_mu = mu_A / mu_B``, ``sigma_B`` and ``r_sigma = sigma_A /
         sigma_B`` (the ratios constants for autograd, ``sigma_B`` differentiable with the inputs),
         with the averages updated by eqs. (8)-(9) before or after use, as ``amat_update`` says.
 
-        ``r_mu`` is 1 on the first step and where ``|mu_B|`` is below :data:`AMAT_MEAN_GUARD`,
-        and clipped into ``[-amat_r_max, amat_r_max]`` when that is set. The buffers are
-        replaced, not written in place: the backward may still need the tensors the ratios
-        were made from, and under torch.compile an in-place write lets it recompute them from
-        the new values (silently wrong gradients).
+        ``r_mu`` is :meth:`amat_mean_ratio`. The buffers are replaced, not written in place: the
+        backward may still need the tensors the ratios were made from, and under torch.compile
+        an in-place write lets it recompute them from the new values (silently wrong gradients).
         """
         with torch.no_grad():
             first = self.amat_steps == 0
             new = self._amat_new_weight()
+            r_mu = self.amat_mean_ratio(mean)
             mean_a = torch.lerp(self.amat_mean, mean, new)
-            mu_a = self._amat_in_use(self.amat_mean, mean_a, mean)
-            r_mu = torch.where(first | (mean.abs() < AMAT_MEAN_GUARD), 1.0, mu_a / mean)
-            if self.amat_r_max is not None:
-                r_mu = r_mu.clamp(-self.amat_r_max, self.amat_r_max)
         sigma = self._sigma(var, self._with_beta(mean - r_mu * mean))
         with torch.no_grad():
             second = sigma.square()
@@ -273,8 +271,6 @@ class NormFamily2d(NormFamily):
 
 class _CBNPreset:
     def __init__(self, num_features: int, rho: float = 1.0, amat: bool = True, **kw: Any) -> None:
-        if amat:
-            kw.setdefault("amat_r_max", AMAT_R_MAX)
         super().__init__(num_features, decouple=True, rho=rho, amat=amat, **kw)  # type: ignore[call-arg]
 
 

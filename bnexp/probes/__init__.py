@@ -6,7 +6,7 @@ changes the training trajectory. ``docs/instruments/`` describes each one. The s
 commands ``bnexp lrsearch`` and ``bnexp hessian`` and the probe plots build on them.
 """
 
-from bnexp.probes import eta_tau, gradients, hessian, loss, timing, weights  # noqa: F401  (register the probes)
+from bnexp.probes import eta_tau, gradients, hessian, loss, timing, weights  # noqa: F401  (register the probes: amat and eta_tau live in eta_tau)
 from bnexp.probes.callback import ALL, COLUMNS, PROBES, PROBES_FILE, enable_probe, read_probes
 
 __all__ = ["ALL", "COLUMNS", "PROBES", "PROBES_FILE", "enable_probe", "read_probes"]

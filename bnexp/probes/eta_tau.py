@@ -7,10 +7,11 @@ For a normalization's input ``x`` in a training forward, per channel:
     eta     = (mu_B - beta) / mu_A
     tau     = gamma / (rho * sigma_B)
 
-``mu_A`` is the moving average the forward uses: AMAT's ``mu_A`` as this step's forward
-sees it (:meth:`~bnexp.nn.NormFamily.amat_forward_mean`: updated with ``mu_B`` under
+``mu_A`` is the moving average the forward centres with: for AMAT ``r_mu * mu_B``
+(:meth:`~bnexp.nn.NormFamily.amat_mean_ratio`: the average updated with ``mu_B`` under
 ``amat_update=before_forward``, the stored one under ``after_forward``, ``mu_B`` itself on
-the first step), or the running mean before the update for a layer without AMAT. The values come from a forward pre-hook
+the first step, and the clip of ``norm.amat_r_max`` where it binds), or the running mean
+before the update for a layer without AMAT. The values come from a forward pre-hook
 that reads the input and the layer's state and changes nothing.
 """
 
@@ -42,7 +43,8 @@ def moving_mean(module: NormFamily, batch_mean: Tensor) -> Tensor:
     """``mu_A`` of the coming forward (see the module docstring)."""
     if not module.amat:
         return module.running_mean
-    return module.amat_forward_mean(batch_mean.to(module.amat_mean.dtype))
+    mean = batch_mean.to(module.amat_mean.dtype)
+    return module.amat_mean_ratio(mean) * mean
 
 
 def eta_tau(module: NormFamily, x: Tensor) -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -69,19 +71,26 @@ def quantity_name(prefix: str, q: float) -> str:
     return f"{prefix}_q{round(q * 100):02d}"
 
 
-@register_probe
-class EtaTau(Probe):
-    """Quantiles across channels of eta and tau for every CBN-style layer (``eta_q50`` ...)."""
+class LayerInputProbe(Probe):
+    """A probe that reads the inputs of some normalization layers in the training forwards of
+    the steps on its schedule (a forward pre-hook per layer that changes nothing).
 
-    name = "eta_tau"
+    Subclasses pick the layers (:meth:`layers`) and measure one input (:meth:`capture`).
+    """
+
+    def layers(self, model: nn.Module) -> list[tuple[str, NormFamily]]:
+        raise NotImplementedError
+
+    def capture(self, step: int, name: str, module: NormFamily, x: Tensor) -> None:
+        raise NotImplementedError
 
     def on_train_start(self, state: TrainState) -> None:
         self.step: Optional[int] = None  # the step being measured, while its forward runs
-        layers = cbn_layers(state.model)
-        self.handles: list[RemovableHandle] = [m.register_forward_pre_hook(partial(self._capture, name))
+        layers = self.layers(state.model)
+        self.handles: list[RemovableHandle] = [m.register_forward_pre_hook(partial(self._hook, name))
                                                for name, m in layers]
         if not layers:
-            log.warning("probe eta_tau: the model has no decoupled or AMAT normalization; nothing to measure")
+            log.warning("probe %s: the model has no layer it measures; nothing to record", self.name)
 
     def before_step(self, state: TrainState) -> None:
         self.step = state.step if self.due(state.step, state) else None
@@ -93,11 +102,42 @@ class EtaTau(Probe):
         for handle in self.handles:
             handle.remove()
 
-    def _capture(self, name: str, module: NormFamily, args: tuple[Tensor, ...]) -> None:
-        if self.step is None or not module.training:
-            return
-        q = torch.tensor(QUANTILES, dtype=torch.float64, device=args[0].device)
-        for prefix, values in zip(("eta", "tau"), eta_tau(module, args[0])):
+    def _hook(self, name: str, module: NormFamily, args: tuple[Tensor, ...]) -> None:
+        if self.step is not None and module.training:
+            self.capture(self.step, name, module, args[0])
+
+
+@register_probe
+class EtaTau(LayerInputProbe):
+    """Quantiles across channels of eta and tau for every CBN-style layer (``eta_q50`` ...)."""
+
+    name = "eta_tau"
+
+    def layers(self, model: nn.Module) -> list[tuple[str, NormFamily]]:
+        return cbn_layers(model)
+
+    def capture(self, step: int, name: str, module: NormFamily, x: Tensor) -> None:
+        q = torch.tensor(QUANTILES, dtype=torch.float64, device=x.device)
+        for prefix, values in zip(("eta", "tau"), eta_tau(module, x)):
             if values is not None:
                 for level, value in zip(QUANTILES, torch.quantile(values, q).tolist()):
-                    self.emit(self.step, name, quantity_name(prefix, level), value)
+                    self.emit(step, name, quantity_name(prefix, level), value)
+
+
+@register_probe
+class AmatRatio(LayerInputProbe):
+    """Per AMAT layer: the largest ``|r_mu|`` over its channels (as the forward uses it: averaged,
+    guarded, clipped by ``norm.amat_r_max``) and the smallest ``|mu_B|``. A ratio grows where
+    a channel's batch mean nears zero, and it scales the gradient through the batch mean
+    (docs/methods/cbn.md shows a collapse it causes)."""
+
+    name = "amat"
+
+    def layers(self, model: nn.Module) -> list[tuple[str, NormFamily]]:
+        return [(name, m) for name, m in model.named_modules() if isinstance(m, NormFamily) and m.amat]
+
+    def capture(self, step: int, name: str, module: NormFamily, x: Tensor) -> None:
+        mean = x.detach().to(module.amat_mean.dtype).mean([0, *range(2, x.dim())])
+        ratio = module.amat_mean_ratio(mean).abs().max()
+        self.emit(step, name, "r_mu_max_abs", ratio.item())
+        self.emit(step, name, "mu_b_min_abs", mean.abs().min().item())

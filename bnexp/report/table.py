@@ -17,7 +17,7 @@ import pandas as pd
 
 from bnexp.commands import exit_on_error
 from bnexp.errors import ConfigError, unknown_choice
-from bnexp.probes.lrsearch import collapsed, loss_endpoints
+from bnexp.probes.lrsearch import collapsed, loss_endpoints, recorded_classes
 from bnexp.report.layouts import LAYOUTS, METRIC_LABELS, METRICS, Layout
 from bnexp.report.presets import parse_command, plan
 from bnexp.report.reference import published
@@ -104,10 +104,8 @@ def run_collapsed(run: pd.Series) -> bool:
     if math.isnan(initial):
         raise ConfigError(f"{run['run_dir']} has no step-0 rows of the loss probe in probes.csv, which the stability "
                           "rule needs: train it with probes=[loss] (experiment=cbn/table6 does)")
-    if pd.isna(run.get("num_classes")):
-        raise ConfigError(f"{run['run_dir']}/summary.json does not record num_classes, which the stability rule "
-                          "needs (made by an older bnexp): train it again with trainer.resume=never")
-    return collapsed(run["status"], initial, final, float(run["final_top1"]), int(run["num_classes"]))
+    classes = recorded_classes(run, Path(run["run_dir"]))
+    return collapsed(run["status"], initial, final, float(run["final_top1"]), classes)
 
 
 def largest_stable(runs: pd.DataFrame, key: str, metric: str) -> Any:

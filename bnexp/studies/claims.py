@@ -255,6 +255,9 @@ def judge_arora(frame: pd.DataFrame) -> list[Finding]:
         f"lr_w {float(r['optim.lr_w']):g}: " + (f"{float(r['final_train_loss']):.3f}" if r["status"] == "completed"
                                                 else r["status"]) for r in bn)
     bn_ok = all(r["status"] == "completed" and float(r["final_train_loss"]) <= CONVERGED_LOSS for r in bn)
+    losses = [float(r["final_train_loss"]) for r in bn if r["status"] == "completed"]
+    if losses:
+        bn_text += f" (largest / smallest: {max(losses) / min(losses):.0f}x)"
     none_text = "test top-1: " + ", ".join(
         f"lr {float(r['optim.lr']):g}: " + (f"{float(r['final_top1']):.1f} %" if r["status"] == "completed"
                                             else r["status"]) for r in none)
