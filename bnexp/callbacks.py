@@ -1,15 +1,16 @@
 """Extension points of the training loop.
 
-Methods (AMAT, BNP), probes and checkpointing plug into :func:`bnexp.trainer.train`
-through these hooks instead of editing the loop. Each hook receives the live
-:class:`TrainState`; a hook that does nothing costs nothing.
+Methods (AMAT, BNP), probes and loggers plug into :func:`bnexp.trainer.train` through these
+hooks instead of editing the loop; :func:`bnexp.trainer.build_callbacks` lists which run, in
+which order. Each hook receives the live :class:`TrainState`; a hook that does nothing costs
+nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -74,18 +75,3 @@ class Callback:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
 
-
-# A factory looks at the run's config and returns the callback it needs, or None.
-CallbackFactory = Callable[[DictConfig], Optional[Callback]]
-CALLBACK_FACTORIES: list[CallbackFactory] = []
-
-
-def callback_factory(factory: CallbackFactory) -> CallbackFactory:
-    """Register ``factory``; every run asks each registered factory for its callback."""
-    CALLBACK_FACTORIES.append(factory)
-    return factory
-
-
-def callbacks_for(cfg: DictConfig) -> list[Callback]:
-    """The callbacks a run's config asks for, in registration order."""
-    return [cb for cb in (factory(cfg) for factory in CALLBACK_FACTORIES) if cb is not None]

@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from bnexp.callbacks import Callback, TrainState, callback_factory
+from bnexp.callbacks import Callback, TrainState
 from bnexp.errors import ConfigError
 
 NOT_SCALARS = ("step", "epoch")
@@ -47,8 +47,7 @@ class TensorBoardLogger(Callback):
             self.writer.close()
 
 
-@callback_factory
-def tensorboard_logger(cfg: DictConfig) -> Callback | None:
+def logger_callback(cfg: DictConfig) -> Callback | None:
     """The TensorBoard callback when ``logger=tensorboard``."""
     if OmegaConf.select(cfg, "logger.name") != "tensorboard":
         return None

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from bnexp.callbacks import Callback, TrainState, callback_factory
+from bnexp.callbacks import Callback, TrainState
 from bnexp.distributed import bnp_reducer
 from bnexp.nn import BNP, BatchRenorm, NormFamily
 from bnexp.runinfo import MetricsWriter
@@ -89,22 +89,13 @@ class WeightNormLog(Callback):
         self.writer.restore(state.get("rows", []))
 
 
-@callback_factory
-def _amat(cfg: DictConfig) -> Optional[Callback]:
-    return AmatLearningRate() if cfg.norm.get("amat") else None
-
-
-@callback_factory
-def _bnp(cfg: DictConfig) -> Optional[Callback]:
+def method_callbacks(cfg: DictConfig) -> list[Callback]:
+    """The hooks ``cfg``'s normalization needs, then the scale-invariant weights' log."""
     settings = cfg.norm.get("bnp")
-    return BnpPreconditioner(OmegaConf.to_container(settings)) if settings is not None else None
-
-
-@callback_factory
-def _renorm(cfg: DictConfig) -> Optional[Callback]:
-    return RenormRamp() if cfg.norm.kind == "brn" and cfg.norm.get("ramp_steps") is None else None
-
-
-@callback_factory
-def _weights(cfg: DictConfig) -> Optional[Callback]:
-    return WeightNormLog()
+    hooks: list[Optional[Callback]] = [
+        AmatLearningRate() if cfg.norm.get("amat") else None,
+        BnpPreconditioner(OmegaConf.to_container(settings)) if settings is not None else None,
+        RenormRamp() if cfg.norm.kind == "brn" and cfg.norm.get("ramp_steps") is None else None,
+        WeightNormLog(),
+    ]
+    return [hook for hook in hooks if hook is not None]

@@ -24,19 +24,21 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-import bnexp.plugins  # noqa: F401  (registers the callbacks methods and loggers need)
 from bnexp import checkpoint
-from bnexp.callbacks import Callback, TrainState, callbacks_for
+from bnexp.callbacks import Callback, TrainState
 from bnexp.config import validate
 from bnexp.data import build_data
 from bnexp.data.loaders import build_loaders, drop_last
 from bnexp import distributed
 from bnexp.distributed import gather_objects, sum_over_ranks
 from bnexp.errors import ConfigError
+from bnexp.loggers import logger_callback
+from bnexp.methods import method_callbacks
 from bnexp.models import build_model, count_parameters
 from bnexp.norms import uses_batch_statistics
 from bnexp.optim import build_optimizer, build_schedule, to_steps
 from bnexp.preemption import Preempted, PreemptionGuard
+from bnexp.probes.callback import probes_callback
 from bnexp.runinfo import MetricsWriter, resolve_device, seed_everything, version_stamp, write_json
 from bnexp.speed import Accelerated
 
@@ -203,6 +205,19 @@ class Run:
             cb.on_eval(s, row)
 
 
+def build_callbacks(cfg: DictConfig) -> list[Callback]:
+    """The callbacks a run's config asks for, in the order every hook calls them:
+
+    1. the probes (``probes=[...]``): in ``after_backward`` they must read the gradients the
+       step computed, before anything rewrites them;
+    2. the methods' hooks: AMAT's learning rate, BNP's gradient rewrite, batch renorm's ramp,
+       the scale-invariant weights' log;
+    3. the logger (``logger=...``), which mirrors what the others produced.
+    """
+    ordered = [probes_callback(cfg), *method_callbacks(cfg), logger_callback(cfg)]
+    return [cb for cb in ordered if cb is not None]
+
+
 def train_step(net: Accelerated, optimizer: torch.optim.Optimizer, callbacks: list[Callback], state: TrainState,
                x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimization step on ``(x, y)``: callbacks around forward, loss, backward and update.
@@ -248,7 +263,7 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
     scheduler = build_schedule(optimizer, cfg.schedule, loaders.steps_per_epoch)
     state = TrainState(cfg, run_dir, device, model, optimizer, scheduler, loaders.steps_per_epoch,
                        total_steps(cfg.trainer, loaders.steps_per_epoch), dist=d, train_data=bundle.train)
-    run = Run(state, callbacks_for(cfg) + extra_callbacks, summary, net)
+    run = Run(state, build_callbacks(cfg) + extra_callbacks, summary, net)
     summary.update(params=count_parameters(model), device=str(device), steps_per_epoch=state.steps_per_epoch,
                    loader=loaders.kind, world_size=d.world_size, num_classes=bundle.spec.num_classes)
     for cb in run.callbacks:

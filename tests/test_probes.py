@@ -55,6 +55,21 @@ def test_grad_norm_equals_numpys_norm_of_the_gradients() -> None:
     assert got == pytest.approx(expected, rel=1e-12)
 
 
+def test_grad_norm_under_bnp_reads_the_raw_gradient(tmp_path: Path) -> None:
+    """BNP changes no forward pass, so its first raw gradient is that of the same network
+    without BNP (norm=none with biases, the same initial weights); the probe must see that
+    one, not BNP's rewrite: probes come before the methods in the trainer's callbacks."""
+    norms = {}
+    for name, norm in (("bnp", ["norm=bnp"]), ("plain", ["norm=none", "norm.op_bias=true"])):
+        train(compose_cfg([*RUN, "model=mlp2x100", *norm, "probes=[grad_norm]", "trainer.max_steps=1"]),
+              tmp_path / name)
+        rows = read_probes(tmp_path / name).query("step == 0 and layer == 'all' and quantity == 'norm'")
+        norms[name] = float(rows["value"].iloc[0])
+    assert norms["bnp"] == norms["plain"]
+    weights = {name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)["model"] for name in norms}
+    assert not torch.equal(weights["bnp"]["fc.op.weight"], weights["plain"]["fc.op.weight"])  # BNP rewrote the step
+
+
 @pytest.mark.parametrize("amat", [True, False])
 def test_eta_tau_quantiles_equal_the_formula(amat: bool) -> None:
     g = torch.Generator().manual_seed(1)

@@ -17,13 +17,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from omegaconf import DictConfig
 
-import bnexp.plugins  # noqa: F401  (registers the callbacks the norms need, as the trainer does)
 from bnexp.bench.common import COMMON, MODES, Record, compose_train, device_of, measure, record
-from bnexp.callbacks import TrainState, callbacks_for
+from bnexp.callbacks import TrainState
 from bnexp.models import DataSpec, build_model
 from bnexp.optim import build_optimizer, build_schedule
 from bnexp.speed import Accelerated
-from bnexp.trainer import train_step
+from bnexp.trainer import build_callbacks, train_step
 
 # model -> (the data it trains on, its usual per-GPU batch)
 MODELS: dict[str, tuple[DataSpec, int]] = {
@@ -47,7 +46,7 @@ def step_case(cfg: DictConfig, spec: DataSpec, batch: int, device: torch.device,
     net = Accelerated.from_config(model, device, cfg.trainer)
     optimizer = build_optimizer(model, cfg.optim)
     state = TrainState(cfg, run_dir, device, model, optimizer, build_schedule(optimizer, cfg.schedule, 1), 1, 10**9)
-    callbacks = callbacks_for(cfg)
+    callbacks = build_callbacks(cfg)
     for cb in callbacks:
         cb.on_train_start(state)
     g = torch.Generator(device).manual_seed(0)

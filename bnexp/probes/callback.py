@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ContextManager, Mapping, Optional
 
 from omegaconf import DictConfig, ListConfig
 
-from bnexp.callbacks import Callback, TrainState, callback_factory
+from bnexp.callbacks import Callback, TrainState
 from bnexp.errors import ConfigError
 from bnexp.registry import Registry
 
@@ -192,7 +192,6 @@ def enable_probe(cfg: DictConfig, name: str) -> None:
         cfg.probes = [*probe_names(cfg), name]
 
 
-@callback_factory
 def probes_callback(cfg: DictConfig) -> Optional[ProbesCallback]:
     """The probes of ``cfg.probes`` with their ``cfg.probe.<name>`` settings, or None."""
     names = probe_names(cfg)
