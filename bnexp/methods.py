@@ -95,7 +95,7 @@ def method_callbacks(cfg: DictConfig) -> list[Callback]:
     hooks: list[Optional[Callback]] = [
         AmatLearningRate() if cfg.norm.get("amat") else None,
         BnpPreconditioner(OmegaConf.to_container(settings)) if settings is not None else None,
-        RenormRamp() if cfg.norm.kind == "brn" and cfg.norm.get("ramp_steps") is None else None,
+        RenormRamp() if cfg.norm.layer == "batch_renorm" and cfg.norm.get("ramp_steps") is None else None,
         WeightNormLog(),
     ]
     return [hook for hook in hooks if hook is not None]

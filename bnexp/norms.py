@@ -1,21 +1,25 @@
-"""The normalization registry: one place that turns a ``norm`` config into modules.
+"""Normalizations by name: one map from a layer name to its modules, and the spec models use.
 
-A ``norm`` preset (``configs/norm/*.yaml``) names a ``kind`` (the module family), its
-flags, the ``placement`` (``after_op`` or ``before_op``, METHODS.md section 1) and whether
-the linear ops keep a bias. :func:`build_norm_spec` turns it into a :class:`NormSpec`
-that the model builder (:mod:`bnexp.models.layers`) asks for modules.
+A ``norm`` preset (``configs/norm/*.yaml``) names a ``layer`` (a key of :data:`NORM_LAYERS`,
+or null for no normalization), that layer's keyword arguments, and how a model places it
+(``placement``, ``join``, ``classifier``, ``op_bias``). :func:`create_norm` builds one module
+from a name, a class or any callable, as timm's ``create_norm_layer`` does: ``norm=cbn``
+builds :class:`bnexp.nn.CBN2d`, the class users import. :func:`build_norm_spec` turns a
+preset into the :class:`NormSpec` the model builder (:mod:`bnexp.models.layers`) asks for
+modules.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
 
 from torch import nn
 
 from bnexp.errors import ConfigError, unknown_choice
-from bnexp.nn.family import AMAT_UPDATES, BEFORE_FORWARD
+from bnexp.nn import (BatchRenorm1d, BatchRenorm2d, CBN1d, CBN2d, NormFamily1d, NormFamily2d, POPNorm1d, POPNorm2d,
+                      ScaleInvariantBN1d, ScaleInvariantBN2d)
 from bnexp.registry import Registry
 
 AFTER_OP = "after_op"
@@ -26,10 +30,93 @@ AFTER_ACT = "after_act"  # shortcut + act(h): the CBN paper's eq. 7
 BEFORE_ACT = "before_act"  # act(h + shortcut): the standard ResNet join, kept by POP-Norm
 JOINS = (AFTER_ACT, BEFORE_ACT)
 
-# (num_features, dim) -> module, where dim is 1 (features) or 2 (images).
-NormMaker = Callable[[int, int], nn.Module]
+Builder = Callable[..., nn.Module]  # (num_features, **options) -> module
 
-NORM_KINDS: Registry[Callable[[Mapping[str, Any]], Optional[NormMaker]]] = Registry("norm kind")
+
+@dataclass(frozen=True)
+class NormLayer:
+    """One entry of the map: the module over features (1d, ``(N, C)`` or ``(N, C, L)``) and
+    over images (2d), and the preset keys that are its keyword arguments."""
+
+    features: Builder
+    images: Builder
+    keys: tuple[str, ...]
+    batch_statistics: bool = True  # whether its training forward normalizes with batch statistics
+
+
+NORM_LAYERS: Registry[NormLayer] = Registry("norm layer")
+
+
+def register_norm(name: str, features: Builder, images: Builder, keys: tuple[str, ...],
+                  batch_statistics: bool = True) -> None:
+    """Make ``name`` a ``layer`` of the norm presets (and of :func:`create_norm`)."""
+    NORM_LAYERS.register(name)(NormLayer(features, images, keys, batch_statistics))
+
+
+# The flags of bnexp.nn.NormFamily (METHODS.md section 2), shared by its presets.
+FAMILY_KEYS = ("center", "scale", "decouple", "rho", "amat", "eps", "momentum", "amat_eta", "amat_update",
+               "amat_r_max", "sync")
+BN_FLAGS = {"center": True, "scale": True, "decouple": False, "rho": 1.0, "amat": False, "sync": False}
+
+
+def batch_norm(family: type[nn.Module], torch_bn: type[nn.modules.batchnorm._BatchNorm]) -> Builder:
+    """torch's own BatchNorm where the family's flags are BN's (faster kernels), the family
+    member with those flags otherwise (the CBN ablation rows, ``norm.sync``)."""
+
+    def make(num_features: int, **options: Any) -> nn.Module:
+        if all(options.get(key, default) == default for key, default in BN_FLAGS.items()):
+            return torch_bn(num_features, eps=options.get("eps", 1e-5), momentum=options.get("momentum", 0.1))
+        return family(num_features, **options)
+
+    return make
+
+
+def group_norm(num_features: int, groups: int = 4, eps: float = 1e-5) -> nn.Module:
+    """GroupNorm with ``groups`` groups; where they do not divide the channels (the 3 image
+    channels in front of a before_op stem) the largest common divisor."""
+    return nn.GroupNorm(math.gcd(int(groups), num_features), num_features, eps=eps)
+
+
+def layer_norm_images(num_features: int, eps: float = 1e-5) -> nn.Module:
+    """LayerNorm over all of C x H x W per sample: GroupNorm with one group."""
+    return nn.GroupNorm(1, num_features, eps=eps)
+
+
+register_norm("batchnorm", batch_norm(NormFamily1d, nn.BatchNorm1d), batch_norm(NormFamily2d, nn.BatchNorm2d),
+              FAMILY_KEYS)
+register_norm("norm_family", NormFamily1d, NormFamily2d, FAMILY_KEYS)  # bnexp's implementation always
+register_norm("cbn", CBN1d, CBN2d, FAMILY_KEYS)
+register_norm("popnorm", POPNorm1d, POPNorm2d, FAMILY_KEYS)
+register_norm("batch_renorm", BatchRenorm1d, BatchRenorm2d, ("r_max", "d_max", "momentum", "eps", "ramp_steps", "sync"))
+register_norm("bn_si", ScaleInvariantBN1d, ScaleInvariantBN2d, ("eps", "momentum", "sync"))  # bound to its op later
+register_norm("groupnorm", group_norm, group_norm, ("groups", "eps"), batch_statistics=False)
+register_norm("layernorm", nn.LayerNorm, layer_norm_images, ("eps",), batch_statistics=False)
+
+
+def create_norm(layer: Union[str, Builder], num_features: int, dim: int = 2, **options: Any) -> nn.Module:
+    """A normalization over ``num_features`` channels of features (``dim=1``) or images (2).
+
+    ``layer`` is a name of :data:`NORM_LAYERS` (``"cbn"``), or a class or callable taking
+    ``(num_features, **options)`` (``functools.partial(CBN2d, rho=0.5)``).
+    """
+    if not isinstance(layer, str):
+        return layer(num_features, **options)
+    entry = NORM_LAYERS.get(layer)
+    return (entry.features if dim == 1 else entry.images)(num_features, **options)
+
+
+def layer_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments a ``norm`` preset gives its layer (its keys the layer takes)."""
+    return {key: cfg[key] for key in NORM_LAYERS.get(cfg["layer"]).keys if key in cfg}
+
+
+def uses_batch_statistics(cfg: Mapping[str, Any]) -> bool:
+    """Whether a ``norm`` preset normalizes with statistics over the batch: BN and its family
+    when they center or scale, bn_si, batch renormalization; not GN, LN, BNP or none."""
+    layer = cfg.get("layer")
+    if layer is None or not NORM_LAYERS.get(layer).batch_statistics:
+        return False
+    return bool(cfg.get("center", True) or cfg.get("scale", True))
 
 
 @dataclass(frozen=True)
@@ -39,14 +126,15 @@ class NormSpec:
     name: str
     placement: str
     op_bias: bool
-    maker: Optional[NormMaker]
+    layer: Optional[str]  # a key of NORM_LAYERS; None: no normalization
+    options: Mapping[str, Any] = field(default_factory=dict)  # the layer's keyword arguments
     join: str = AFTER_ACT  # before_op residual joins (norm.join)
     classifier: bool = True  # before_op: a normalization in front of the final Linear (norm.classifier)
     batch_statistics: bool = False  # the training forward normalizes with statistics over the batch
 
     @property
     def enabled(self) -> bool:
-        return self.maker is not None
+        return self.layer is not None
 
     @property
     def shortcut_after_act(self) -> bool:
@@ -60,116 +148,13 @@ class NormSpec:
 
     def make(self, num_features: int, dim: int) -> nn.Module:
         """A normalization over ``num_features`` channels, or Identity when disabled."""
-        if self.maker is None:
+        if self.layer is None:
             return nn.Identity()
-        return self.maker(num_features, dim)
-
-
-@NORM_KINDS.register("none")
-def _no_norm(cfg: Mapping[str, Any]) -> None:
-    return None
-
-
-BN_FLAGS = {"center": True, "scale": True, "decouple": False, "rho": 1.0, "amat": False}
-
-
-def is_plain_bn(cfg: Mapping[str, Any]) -> bool:
-    """True when the family flags reduce to vanilla BN without cross-process statistics
-    (then torch's own module is used; ``norm.sync`` needs bnexp's, which syncs on any device)."""
-    return not cfg.get("sync") and all(cfg.get(key, default) == default for key, default in BN_FLAGS.items())
-
-
-def with_sync(module: nn.Module, cfg: Mapping[str, Any]) -> nn.Module:
-    """Set ``norm.sync`` on a bnexp normalization (batch statistics over all processes)."""
-    module.sync = bool(cfg.get("sync", False))
-    return module
-
-
-@NORM_KINDS.register("family")
-def _family(cfg: Mapping[str, Any]) -> NormMaker:
-    def make(num_features: int, dim: int) -> nn.Module:
-        if is_plain_bn(cfg):
-            cls = nn.BatchNorm1d if dim == 1 else nn.BatchNorm2d
-            return cls(num_features, eps=cfg["eps"], momentum=cfg["momentum"])
-        from bnexp.nn import NormFamily1d, NormFamily2d
-
-        cls = NormFamily1d if dim == 1 else NormFamily2d
-        amat = {"amat_eta": amat_eta(cfg), "amat_update": cfg.get("amat_update", BEFORE_FORWARD),
-                "amat_r_max": amat_r_max(cfg)} if cfg["amat"] else {}
-        module = cls(num_features, **{key: cfg[key] for key in BN_FLAGS}, eps=cfg["eps"], momentum=cfg["momentum"],
-                     **amat)
-        return with_sync(module, cfg)
-
-    return make
-
-
-def amat_eta(cfg: Mapping[str, Any]) -> Optional[float]:
-    """``norm.amat_eta``: ``adaptive`` (None: eta = max(1 - 10 lr, 0)) or a fixed float in [0, 1]."""
-    value = cfg.get("amat_eta", "adaptive")
-    if value == "adaptive":
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ConfigError(f"norm.amat_eta={value!r} is not valid: use adaptive or a number in [0, 1]")
-    return float(value)
-
-
-def amat_r_max(cfg: Mapping[str, Any]) -> Optional[float]:
-    """``norm.amat_r_max``: null (the paper's unclipped ``r_mu``) or a positive bound."""
-    value = cfg.get("amat_r_max")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"norm.amat_r_max={value!r} is not valid: use null (unclipped) or a number > 0")
-    return float(value)
-
-
-@NORM_KINDS.register("bn_si")
-def _bn_si(cfg: Mapping[str, Any]) -> NormMaker:
-    from bnexp.nn import ScaleInvariantBN1d, ScaleInvariantBN2d
-
-    def make(num_features: int, dim: int) -> nn.Module:
-        cls = ScaleInvariantBN1d if dim == 1 else ScaleInvariantBN2d
-        return with_sync(cls(num_features, eps=cfg["eps"], momentum=cfg["momentum"]), cfg)  # bound to its op later
-
-    return make
-
-
-@NORM_KINDS.register("brn")
-def _brn(cfg: Mapping[str, Any]) -> NormMaker:
-    from bnexp.nn import BatchRenorm1d, BatchRenorm2d
-
-    def make(num_features: int, dim: int) -> nn.Module:
-        cls = BatchRenorm1d if dim == 1 else BatchRenorm2d
-        # ramp_steps=null means "the whole run": the trainer sets it once the length is known.
-        module = cls(num_features, r_max=cfg["r_max"], d_max=cfg["d_max"], momentum=cfg["momentum"],
-                     eps=cfg["eps"], ramp_steps=cfg.get("ramp_steps"))
-        return with_sync(module, cfg)
-
-    return make
-
-
-@NORM_KINDS.register("gn")
-def _gn(cfg: Mapping[str, Any]) -> NormMaker:
-    def make(num_features: int, dim: int) -> nn.Module:
-        # A layer whose channel count the group count does not divide (the 3 image channels
-        # in front of a before_op stem) uses the largest common divisor.
-        return nn.GroupNorm(math.gcd(int(cfg["groups"]), num_features), num_features, eps=cfg["eps"])
-
-    return make
-
-
-@NORM_KINDS.register("ln")
-def _ln(cfg: Mapping[str, Any]) -> NormMaker:
-    def make(num_features: int, dim: int) -> nn.Module:
-        if dim == 1:
-            return nn.LayerNorm(num_features, eps=cfg["eps"])
-        return nn.GroupNorm(1, num_features, eps=cfg["eps"])  # all of C x H x W per sample
-
-    return make
+        return create_norm(self.layer, num_features, dim, **self.options)
 
 
 def build_norm_spec(cfg: Mapping[str, Any]) -> NormSpec:
-    """Validate a ``norm`` config and return the spec models are built from."""
+    """Check a ``norm`` preset (building one module of its layer) and return its spec."""
     placement = cfg.get("placement", AFTER_OP)
     if placement not in PLACEMENTS:
         raise unknown_choice("norm.placement", placement, PLACEMENTS)
@@ -179,20 +164,17 @@ def build_norm_spec(cfg: Mapping[str, Any]) -> NormSpec:
     classifier = cfg.get("classifier", True)
     if not isinstance(classifier, bool):
         raise ConfigError(f"norm.classifier must be true or false, got {classifier!r}")
-    if cfg.get("amat") and cfg.get("amat_update", BEFORE_FORWARD) not in AMAT_UPDATES:
-        raise unknown_choice("norm.amat_update", cfg["amat_update"], AMAT_UPDATES)
-    maker = NORM_KINDS.get(cfg["kind"])(cfg)
+    layer = cfg.get("layer")
+    options = layer_options(cfg) if layer is not None else {}
+    if layer is not None:
+        try:
+            create_norm(layer, 4, 2, **options)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"norm={cfg.get('name', layer)} (layer {layer}): norm.{err}") from None
     op_bias = cfg.get("op_bias")
     if op_bias is None:
-        op_bias = maker is None
+        op_bias = layer is None
     if not isinstance(op_bias, bool):
         raise ConfigError(f"norm.op_bias must be true, false or null, got {op_bias!r}")
-    return NormSpec(name=cfg.get("name", cfg["kind"]), placement=placement, op_bias=op_bias, maker=maker,
-                    join=join, classifier=classifier, batch_statistics=uses_batch_statistics(cfg))
-
-
-def uses_batch_statistics(cfg: Mapping[str, Any]) -> bool:
-    """Whether a ``norm`` config normalizes with statistics over the batch (BN and its family
-    when they center or scale, bn_si, batch renormalization); GN, LN, BNP and none do not."""
-    kind = cfg["kind"]
-    return kind in ("bn_si", "brn") or (kind == "family" and bool(cfg.get("center", True) or cfg.get("scale", True)))
+    return NormSpec(name=cfg.get("name", str(layer)), placement=placement, op_bias=op_bias, layer=layer,
+                    options=options, join=join, classifier=classifier, batch_statistics=uses_batch_statistics(cfg))

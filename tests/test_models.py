@@ -10,8 +10,8 @@ from bnexp.activations import ACTIVATIONS
 from bnexp.models import DataSpec, build_model, count_parameters
 from bnexp.models.layers import NormOp, normalized_ops
 
-BN = {"name": "bn", "kind": "family", "eps": 1e-5, "momentum": 0.1, "op_bias": None}
-NONE = {"name": "none", "kind": "none", "op_bias": None}
+BN = {"name": "bn", "layer": "batchnorm", "eps": 1e-5, "momentum": 0.1, "op_bias": None}
+NONE = {"name": "none", "layer": None, "op_bias": None}
 TINY = {"resnet20": {"name": "resnet20", "width": 4}, "vgg16": {"name": "vgg16", "width": 8}}
 PLACEMENTS = ["after_op", "before_op"]
 

@@ -14,8 +14,9 @@ from torch import nn
 
 from bnexp.models import MODELS, DataSpec, build_model, count_parameters
 from bnexp.models.layers import NormOp, ResidualJoin, normalized_ops
-from bnexp.nn import NormFamily1d
-from bnexp.norms import build_norm_spec
+from bnexp.nn import CBN1d, CBN2d, POPNorm2d, ScaleInvariantBN2d
+from bnexp.nn.renorm import BatchRenorm2d
+from bnexp.norms import build_norm_spec, create_norm
 
 NORM_DIR = Path(__file__).resolve().parents[1] / "configs" / "norm"
 
@@ -195,7 +196,24 @@ def test_popnorm_and_cbn_presets_build_their_papers_networks() -> None:
     assert all(not j.shortcut_after_act for j in pop.modules() if isinstance(j, ResidualJoin))
     assert isinstance(pop.fc.pre, nn.Identity)
     assert all(j.shortcut_after_act for j in cbn.modules() if isinstance(j, ResidualJoin))
-    assert isinstance(cbn.fc.pre, NormFamily1d) and cbn.fc.pre.amat and cbn.fc.pre.decouple
+    assert type(cbn.fc.pre) is CBN1d and type(cbn.stem.pre) is CBN2d
+
+
+PRESET_CLASSES = {"bn": nn.BatchNorm2d, "cbn": CBN2d, "popnorm": POPNorm2d, "brn": BatchRenorm2d,
+                  "bn_si": ScaleInvariantBN2d, "gn": nn.GroupNorm, "ln": nn.GroupNorm, "bnp_gn": nn.GroupNorm,
+                  "none": nn.Identity, "bnp": nn.Identity}
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_CLASSES))
+def test_each_norm_preset_builds_the_class_users_import(name: str) -> None:
+    """norm=NAME builds its layer's class through the one name -> class map, and the preset's
+    settings restate that class's defaults (the config mirrors the code)."""
+    assert sorted(PRESET_CLASSES) == sorted(p.stem for p in NORM_DIR.glob("*.yaml"))
+    spec = build_norm_spec(preset(name))
+    module = spec.make(8, 2)
+    assert type(module) is PRESET_CLASSES[name]
+    if spec.layer is not None:
+        assert repr(module) == repr(create_norm(spec.layer, 8, 2))
 
 
 def test_projection_shortcut_reads_the_blocks_normalized_input() -> None:

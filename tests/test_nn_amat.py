@@ -379,8 +379,11 @@ def test_cbn_preset_builds_amat_layers_with_its_settings(overrides, expected):
     assert {(m.amat_r_max, m.amat_update) for m in layers} == {expected}
 
 
-@pytest.mark.parametrize("override,message", [("norm.amat_r_max=0", "norm.amat_r_max=0 is not valid"),
-                                              ("norm.amat_update=later", "unknown norm.amat_update 'later'")])
+@pytest.mark.parametrize("override,message", [
+    ("norm.amat_r_max=0", r"norm=cbn \(layer cbn\): norm.amat_r_max must be positive .*got 0"),
+    ("norm.amat_update=later", "norm.amat_update must be one of before_forward, after_forward, got 'later'"),
+    ("norm.amat_eta=often", "norm.amat_eta must be 'adaptive' or a number in \\[0, 1\\], got 'often'"),
+])
 def test_bad_amat_settings_are_config_errors(override, message):
     from bnexp.errors import ConfigError
     from bnexp.models import DataSpec, build_model

@@ -180,12 +180,12 @@ def test_presets_set_the_table_flags(cls, dim):
         assert cls(3, rho=0.5, amat=False).rho == 0.5
     else:
         assert not m.amat and m.rho == 4.0
-        assert cls(3, kappa=2.0).rho == 2.0
+        assert cls(3, rho=2.0).rho == 2.0
         assert not cls(3, scale=False).scale  # the ablations pass flags through
 
 
 def test_popnorm_forward_is_decoupled_division_by_kappa():
-    m = POPNorm2d(3, kappa=4.0).to(DT)
+    m = POPNorm2d(3, rho=4.0).to(DT)
     with torch.no_grad():
         m.bias.copy_(torch.tensor([0.3, -1.0, 2.0]))
     x = batch(2, 2)

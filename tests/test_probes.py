@@ -73,7 +73,7 @@ def test_grad_norm_under_bnp_reads_the_raw_gradient(tmp_path: Path) -> None:
 @pytest.mark.parametrize("amat", [True, False])
 def test_eta_tau_quantiles_equal_the_formula(amat: bool) -> None:
     g = torch.Generator().manual_seed(1)
-    layer = (CBN2d(6, rho=2.0) if amat else POPNorm2d(6, kappa=2.0)).double()
+    layer = (CBN2d(6, rho=2.0) if amat else POPNorm2d(6, rho=2.0)).double()
     with torch.no_grad():
         layer.weight.copy_(torch.rand(6, generator=g) + 0.5)
         layer.bias.copy_(torch.randn(6, generator=g))

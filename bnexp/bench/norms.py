@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from bnexp.bench.common import COMMON, MODES, Record, device_of, measure, record
 from bnexp.errors import unknown_choice
-from bnexp.nn import BatchRenorm2d, CBN2d, NormFamily2d, POPNorm2d, ScaleInvariantBN2d, set_learning_rate
+from bnexp.nn import set_learning_rate
+from bnexp.norms import create_norm
 
 # (channels, height = width, normalizations of that shape) of each network's norms
 NETS: dict[str, tuple[tuple[int, int, int], ...]] = {
@@ -27,20 +28,19 @@ BATCH = {"resnet20": 128, "resnet50": 32}  # a CIFAR batch; an ImageNet per-GPU 
 BASELINE = "bn/eager"
 
 
-def _bn_si(channels: int, device: torch.device) -> nn.Module:
-    """``bn_si`` bound to a 1x1 conv of matching width (only its weight is read)."""
-    return ScaleInvariantBN2d(channels, nn.Conv2d(channels, channels, 1, bias=False, device=device))
+# bench name -> its layer in bnexp.norms.NORM_LAYERS, built by create_norm as models build it;
+# "bn" is torch's own BatchNorm2d, "family" bnexp's NormFamily2d at BN's flags
+NORMS: dict[str, str] = {"bn": "batchnorm", "family": "norm_family", "popnorm": "popnorm", "cbn": "cbn",
+                         "brn": "batch_renorm", "bn_si": "bn_si"}
 
 
-# module name -> (channels, device) -> training-mode module; "bn" is torch's own
-NORMS: dict[str, Callable[[int, torch.device], nn.Module]] = {
-    "bn": lambda c, d: nn.BatchNorm2d(c, device=d),
-    "family": lambda c, d: NormFamily2d(c).to(d),
-    "popnorm": lambda c, d: POPNorm2d(c).to(d),
-    "cbn": lambda c, d: CBN2d(c).to(d),
-    "brn": lambda c, d: BatchRenorm2d(c).to(d),
-    "bn_si": _bn_si,
-}
+def make_norm(name: str, channels: int, device: torch.device) -> nn.Module:
+    """The ``name`` module over ``channels``; ``bn_si`` bound to a 1x1 conv of that width
+    (only its weight is read)."""
+    module = create_norm(NORMS[name], channels, 2).to(device)
+    if hasattr(module, "bind"):
+        module.bind(nn.Conv2d(channels, channels, 1, bias=False, device=device))
+    return module
 DEFAULTS: dict[str, Any] = {**COMMON, "modes": MODES, "number": 10, "nets": tuple(NETS), "norms": tuple(NORMS),
                             "batch": 0, "out": "results/bench/norms.json"}
 COLUMNS = ("net", "name", "mode", "seconds_median", "seconds_iqr", "ratio", "ratio_iqr")
@@ -57,7 +57,7 @@ def layer_inputs(net: str, batch: int, device: torch.device) -> list[Layer]:
 
 def norm_case(name: str, mode: str, layers: Sequence[Layer], device: torch.device) -> Callable[[], None]:
     """Forward + backward through one ``name`` module per shape (its own compiled copy)."""
-    modules = [NORMS[name](x.shape[1], device).train() for x, _, _ in layers]
+    modules = [make_norm(name, x.shape[1], device).train() for x, _, _ in layers]
     for m in modules:
         set_learning_rate(m, 0.01)  # AMAT's adaptive eta needs one; a no-op elsewhere
     calls = [torch.compile(m, dynamic=False) if mode == "compiled" else m for m in modules]

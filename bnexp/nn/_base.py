@@ -120,9 +120,8 @@ class ChannelNorm(nn.Module):
     """
 
     input_dims: tuple[int, ...] = ()
-    sync = False  # combine batch statistics over processes (norm.sync; set by bnexp.norms.with_sync)
 
-    def __init__(self, num_features: int, eps: float) -> None:
+    def __init__(self, num_features: int, eps: float, sync: bool = False) -> None:
         super().__init__()
         if num_features < 1:
             raise ValueError(f"num_features must be positive, got {num_features}")
@@ -130,6 +129,7 @@ class ChannelNorm(nn.Module):
             raise ValueError(f"eps must be non-negative, got {eps}")
         self.num_features = num_features
         self.eps = eps
+        self.sync = sync  # combine batch statistics over processes (norm.sync under DDP)
         self.weight = nn.Parameter(torch.ones(num_features))
         self.bias = nn.Parameter(torch.zeros(num_features))
 

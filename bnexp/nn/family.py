@@ -20,6 +20,7 @@ AMAT_MEAN_GUARD = 1e-6  # |mu_B| below this: r_mu = 1 (no ratio through a vanish
 BEFORE_FORWARD = "before_forward"  # update mu_A, sigma_A^2 with the current batch, then normalize
 AFTER_FORWARD = "after_forward"  # normalize with the averages of earlier batches, then update them
 AMAT_UPDATES = (BEFORE_FORWARD, AFTER_FORWARD)
+ADAPTIVE = "adaptive"  # amat_eta = max(1 - omega * lr, 0), the paper's; a float fixes eta
 # bnexp's default bound on r_mu = mu_A / mu_B (the paper leaves it unclipped: amat_r_max=None);
 # batch renormalization's usual limit. docs/methods/cbn.md has the measurements behind it.
 AMAT_R_MAX = 3.0
@@ -39,7 +40,8 @@ class NormFamily(ChannelNorm):
     (``amat_mean`` = mu_A, ``amat_var`` = sigma_A^2, ``amat_steps``), used by the training
     forward through stop-gradient ratios and by eval directly. ``amat_eta=None`` is the
     adaptive ``eta_k = max(1 - 10 lr_k, 0)``, which needs :func:`set_learning_rate` before
-    every training step but the first; a float fixes eta. ``momentum`` is unused with AMAT.
+    every training step but the first (``"adaptive"`` says the same); a float fixes eta.
+    ``momentum`` is unused with AMAT.
     ``amat_update="before_forward"`` (the default, METHODS.md's revised order) adds the
     current batch to the averages before normalizing with them, so ``eta = 0`` is plain
     batch statistics; ``"after_forward"`` is Algorithm 1 as printed (earlier batches only).
@@ -57,11 +59,16 @@ class NormFamily(ChannelNorm):
         amat: bool = False,
         eps: float = 1e-5,
         momentum: float = 0.1,
-        amat_eta: Optional[float] = None,
+        amat_eta: Union[float, str, None] = None,
         amat_update: str = BEFORE_FORWARD,
         amat_r_max: Optional[float] = AMAT_R_MAX,
+        sync: bool = False,
     ) -> None:
-        super().__init__(num_features, eps)
+        super().__init__(num_features, eps, sync)
+        if amat_eta == ADAPTIVE:
+            amat_eta = None
+        if amat_eta is not None and (isinstance(amat_eta, (bool, str)) or not isinstance(amat_eta, (int, float))):
+            raise ValueError(f"amat_eta must be 'adaptive' or a number in [0, 1], got {amat_eta!r}")
         if rho <= 0:
             raise ValueError(f"rho must be positive, got {rho}")
         check_fraction("momentum", momentum)
@@ -269,32 +276,42 @@ class NormFamily2d(NormFamily):
     input_dims = IMAGES
 
 
-class _CBNPreset:
-    def __init__(self, num_features: int, rho: float = 1.0, amat: bool = True, **kw: Any) -> None:
-        super().__init__(num_features, decouple=True, rho=rho, amat=amat, **kw)  # type: ignore[call-arg]
+class _Preset:
+    """A member of the family defined by its own defaults (``PRESET``); every flag of
+    :class:`NormFamily` can still be passed (the CBN ablation rows change some)."""
+
+    PRESET: dict[str, Any] = {}
+
+    def __init__(self, num_features: int, **kw: Any) -> None:
+        super().__init__(num_features, **{**self.PRESET, **kw})  # type: ignore[call-arg]
 
 
-class CBN1d(_CBNPreset, NormFamily1d):
-    """Complete BN over features: centered, scaled, decoupled, rho, AMAT with ``r_mu`` clipped
-    to ``[-3, 3]`` (preset ``cbn``; ``amat_r_max=None`` is the paper's unclipped form)."""
+class CBN1d(_Preset, NormFamily1d):
+    """Complete BN over features: centered, scaled, decoupled, rho (default 1), AMAT with
+    ``r_mu`` clipped to ``[-3, 3]`` (``norm=cbn``; ``amat_r_max=None``: the paper's form)."""
+
+    PRESET = {"decouple": True, "amat": True}
 
 
-class CBN2d(_CBNPreset, NormFamily2d):
-    """Complete BN over images: centered, scaled, decoupled, rho, AMAT with ``r_mu`` clipped
-    to ``[-3, 3]`` (preset ``cbn``; ``amat_r_max=None`` is the paper's unclipped form)."""
+class CBN2d(_Preset, NormFamily2d):
+    """Complete BN over images: centered, scaled, decoupled, rho (default 1), AMAT with
+    ``r_mu`` clipped to ``[-3, 3]`` (``norm=cbn``; ``amat_r_max=None``: the paper's form)."""
+
+    PRESET = {"decouple": True, "amat": True}
 
 
-class _POPNormPreset:
-    def __init__(self, num_features: int, kappa: float = 4.0, **kw: Any) -> None:
-        super().__init__(num_features, decouple=True, rho=kappa, **kw)  # type: ignore[call-arg]
+class POPNorm1d(_Preset, NormFamily1d):
+    """POP-Norm over features: centered, scaled, decoupled, output divided by ``rho``, the
+    paper's kappa (default 4; ``norm=popnorm``)."""
+
+    PRESET = {"decouple": True, "rho": 4.0}
 
 
-class POPNorm1d(_POPNormPreset, NormFamily1d):
-    """POP-Norm over features: centered, scaled, decoupled, output divided by kappa."""
+class POPNorm2d(_Preset, NormFamily2d):
+    """POP-Norm over images: centered, scaled, decoupled, output divided by ``rho``, the
+    paper's kappa (default 4; ``norm=popnorm``)."""
 
-
-class POPNorm2d(_POPNormPreset, NormFamily2d):
-    """POP-Norm over images: centered, scaled, decoupled, output divided by kappa."""
+    PRESET = {"decouple": True, "rho": 4.0}
 
 
 def set_learning_rate(model: nn.Module, lr: float) -> int:

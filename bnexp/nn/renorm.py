@@ -30,8 +30,9 @@ class BatchRenorm(ChannelNorm):
         momentum: float = 0.01,
         eps: float = 1e-5,
         ramp_steps: Optional[int] = None,
+        sync: bool = False,
     ) -> None:
-        super().__init__(num_features, eps)
+        super().__init__(num_features, eps, sync)
         if r_max < 1 or d_max < 0:
             raise ValueError(f"need r_max >= 1 and d_max >= 0, got r_max={r_max}, d_max={d_max}")
         if ramp_steps is not None and ramp_steps < 1:

@@ -23,8 +23,8 @@ class ScaleInvariantBN(NormFamily):
     """
 
     def __init__(self, num_features: int, op: Optional[nn.Module] = None, eps: float = 1e-5,
-                 momentum: float = 0.1) -> None:
-        super().__init__(num_features, eps=eps, momentum=momentum)
+                 momentum: float = 0.1, sync: bool = False) -> None:
+        super().__init__(num_features, eps=eps, momentum=momentum, sync=sync)
         # A tuple keeps the op out of this module's children, parameters and state_dict.
         self._op: tuple[nn.Module, ...] = ()
         if op is not None:
