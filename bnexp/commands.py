@@ -8,7 +8,7 @@ from typing import Callable, Mapping, Sequence
 from bnexp.errors import BnexpError, ConfigError
 
 
-def report(message: str) -> None:
+def print_error(message: str) -> None:
     """Print one error paragraph to stderr."""
     print(f"bnexp: error: {message}", file=sys.stderr, flush=True)
 
@@ -36,5 +36,5 @@ def exit_on_error(body: Callable[[], None]) -> None:
     try:
         body()
     except BnexpError as err:
-        report(str(err))
+        print_error(str(err))
         sys.exit(err.exit_code)

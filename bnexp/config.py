@@ -39,7 +39,7 @@ def run_name(override_dirname: str) -> str:
 
 def register_resolvers() -> None:
     """OmegaConf resolvers the config tree uses (``${run_name:...}``, ``${bnp_lr:...}``)."""
-    from bnexp.report.reference import bnp_lr
+    from bnexp.reference import bnp_lr
 
     for name, resolver in (("run_name", run_name), ("bnp_lr", bnp_lr)):
         if not OmegaConf.has_resolver(name):

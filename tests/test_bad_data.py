@@ -151,6 +151,7 @@ def test_unreadable_image_fails_in_a_worker(bad_jpeg: Path) -> None:
     assert "data.bad_images=skip" in message
 
 
+@pytest.mark.slow
 def test_unreadable_image_skipped(bad_jpeg: Path, caplog: pytest.LogCaptureFixture) -> None:
     bundle = build_data(imagenet_cfg(bad_jpeg.parents[2], bad_images="skip"))
     images = [image for image, _ in bundle.train]

@@ -35,6 +35,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm", ["bn", "cbn", "popnorm", "bnp", "bnp_gn"])
 def test_replicas_bit_identical_after_20_steps(replicas: Path, norm: str) -> None:
     a = torch.load(replicas / f"{norm}.rank0.pt")
@@ -69,6 +70,7 @@ def synced(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm", SYNCED)
 def test_synced_two_processes_match_one(synced: Path, tmp_path: Path, norm: str) -> None:
     single = train(compose_cfg([*SYNC, *SYNCED[norm]]), tmp_path / "one")
@@ -83,6 +85,7 @@ def test_synced_two_processes_match_one(synced: Path, tmp_path: Path, norm: str)
         torch.testing.assert_close(two[key], one[key], atol=1e-5, rtol=1e-5, msg=key)
 
 
+@pytest.mark.slow
 def test_cli_nproc_launch_writes_one_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     code, out = run_cli(["train", *BASE, "trainer.batch_size=16", "trainer.max_steps=4", "trainer.nproc=2",

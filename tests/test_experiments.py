@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from bnexp.report.presets import plan, preset_names, skip_reason
-from bnexp.report.reproduce import count, reproduce, stage_one, stage_two
+from bnexp.reference import published
+from bnexp.report.presets import count, load_preset, preset_names
+from bnexp.report.reproduce import reproduce, stage_one, stage_two
+from bnexp.report.table import combos, paper_value
+from bnexp.sweep import skip_reason
 from tests.conftest import TINY, compose_cfg, read_summary, run_cli
 
 # (3 untuned rows + 4 tuned rows x 6 rho) x 5 activations x 10 seeds
@@ -33,59 +36,82 @@ EXPECTED_RUNS = {
 }
 
 
-def test_every_preset_composes_and_expands_to_its_run_count() -> None:
-    assert sorted(EXPECTED_RUNS) == preset_names()
+@pytest.mark.slow
+def test_every_preset_composes_and_its_report_block_matches_the_published_cells() -> None:
+    """Every preset composes and expands to its run count, and its table has cells its sweeps
+    make; a table that claims a published table pairs each of its cells with one published
+    number, and every published number of that table with a cell. (The presets sit in paper
+    folders, which Hydra's experiment=glob(*) does not list: preset_names reads the folder.)"""
+    assert preset_names() == sorted(EXPECTED_RUNS)
     for name, runs in EXPECTED_RUNS.items():
-        p = plan(name)
-        assert len(p.jobs) == runs, name
+        p = load_preset(name)
+        assert len(p.jobs) == len({frozenset(job) for job in p.jobs}) == runs, name
         assert p.results_dir == Path("results") / name
-        assert len(set(p.jobs)) == runs, f"{name}: duplicate runs"
+        layout = p.layout
+        cells = [{**r, **c} for r in combos(layout.rows) for c in combos(layout.columns)]
+        covered = [cell for cell in cells if layout.sweep_of(cell) is not None]
+        assert covered, name
+        if layout.paper is None:
+            continue
+        claimed = published().query(f"paper == '{layout.paper}' and table == '{layout.table}'")
+        pairs = [paper_value(layout, cell, metric) for cell in covered for metric in layout.metrics]
+        assert all(pair is not None for pair in pairs), name
+        assert len(pairs) == len(claimed), name
+
+
+def test_a_command_line_value_replaces_a_sweeps_own_in_every_sweep() -> None:
+    p = load_preset("cbn/table1", overrides=["act=relu", "trainer.seed=0,1"])
+    assert len(p.jobs) == (3 + 4 * 6) * 2
+    assert all("act=relu" in job for job in p.jobs)
 
 
 def test_quick_scale_keeps_the_layout_with_two_seeds() -> None:
-    p = plan("cbn/table1", "quick")
+    p = load_preset("cbn/table1", "quick")
     assert len(p.jobs) == CBN_ABLATION // 5 and p.seeds == [0, 1]
     assert p.results_dir == Path("results/quick/cbn/table1")
-    cfg = compose_cfg(["experiment=popnorm/table1", "scale=quick", "dataset=cifar100"])
+    cfg = compose_cfg(["experiment=popnorm/table1", "scale=quick", "paper_data=cifar100"])
     assert cfg.data.name == "synthetic" and cfg.tags.data == "cifar100" and cfg.trainer.max_steps == 6
 
 
 def test_cbn_rows_set_the_ablation_flags() -> None:
-    row5 = compose_cfg(["experiment=cbn/table1", "cbn_row=r5_rho0.25"])
+    row5 = compose_cfg(["experiment=cbn/table1", "cbn_row=r5", "norm.rho=0.25"])
     assert (row5.norm.placement, row5.norm.decouple, row5.norm.rho, row5.norm.amat) == ("before_op", True, 0.25, False)
     assert row5.tags.row == 5 and row5.model.name == "resnet20" and row5.data.name == "cifar10"
-    row2 = compose_cfg(["experiment=cbn/table4", "cbn_row=r2_rho8"])
+    row2 = compose_cfg(["experiment=cbn/table4", "cbn_row=r2", "norm.rho=8"])
     assert (row2.norm.name, row2.norm.amat, row2.norm.rho, row2.model.name) == ("cbn", True, 8.0, "vgg16")
     assert row2.data.name == "cifar100" and row2.schedule.milestones == [60, 100]
 
 
 def test_bnp_learning_rates_come_from_the_paper_table(tmp_path: Path) -> None:
-    cfg = compose_cfg(["experiment=bnp/fc", "dataset=cifar10", "trainer.batch_size=6", "norm=none"])
+    cfg = compose_cfg(["experiment=bnp/fc", "paper_data=cifar10", "trainer.batch_size=6", "norm=none"])
     assert cfg.optim.lr == 5e-3 and skip_reason(cfg, tmp_path) is None
-    na = compose_cfg(["experiment=bnp/fc", "dataset=cifar10", "trainer.batch_size=1", "norm=bn"])
+    na = compose_cfg(["experiment=bnp/fc", "paper_data=cifar10", "trainer.batch_size=1", "norm=bn"])
     assert na.optim.lr is None and "N/A" in skip_reason(na, tmp_path)
     wd = compose_cfg(["experiment=bnp/resnet110", "norm=bnp_gn"])
     assert wd.optim.weight_decay == 1.5e-4 and compose_cfg(["experiment=bnp/resnet110"]).optim.weight_decay == 1e-4
 
 
-def fake_summary(results: Path, row: int, act: str, rho: float, seed: int, acc: float) -> None:
+def fake_run(results: Path, row: int, act: str, rho: float, seed: int, acc: float) -> None:
+    """A finished run of the tuning sweep as Hydra leaves it: summary and recorded overrides."""
     run = results / f"r{row}_{act}_{rho}_{seed}"
-    run.mkdir(parents=True)
+    (run / ".hydra").mkdir(parents=True)
     config = {"tags": {"row": row}, "act": {"name": act}, "norm": {"rho": rho}, "trainer": {"seed": seed}}
     (run / "summary.json").write_text(json.dumps({"status": "completed", "final_top1": acc, "config": config}))
+    overrides = [f"cbn_row=r{row}", f"norm.rho={rho}", f"act={act}", f"trainer.seed={seed}"]
+    (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
 
 
 def test_two_stage_tuning_counts(tmp_path: Path) -> None:
-    p = plan("cbn/table1", overrides=[f"hydra.sweep.dir={tmp_path}"])
+    p = load_preset("cbn/table1", overrides=[f"hydra.sweep.dir={tmp_path}"])
     untuned, grid = stage_one(p, tune_seeds=2)
     assert count(p, [untuned]) == 3 * 5 * 10 and count(p, [grid]) == 4 * 6 * 5 * 2
     for row in (2, 5, 6, 7):  # stage 1 done: rho = 2 wins everywhere
         for act in ("sigmoid", "tanh", "relu", "selu", "swish"):
             for rho in (0.25, 0.5, 1.0, 2.0, 4.0, 8.0):
                 for seed in (0, 1):
-                    fake_summary(tmp_path, row, act, rho, seed, 80 + (rho == 2.0))
+                    fake_run(tmp_path, row, act, rho, seed, 80 + (rho == 2.0))
     second = stage_two(p, tune_seeds=2)
-    assert len(second) == 4 * 5 and all("_rho2" in sweep[0] for sweep in second)
+    assert len(second) == 4 * 5 and all("norm.rho=2.0" in sweep for sweep in second)
     assert count(p, second) == 4 * 5 * 8  # the winners' other 8 seeds: every winner at 10 seeds
 
 
@@ -112,6 +138,7 @@ def test_full_scale_without_gpu_stops_with_estimate(monkeypatch: pytest.MonkeyPa
     assert stop.value.code == 2 and "1350 runs" in err and "GPU-hours" in err and "scale=quick" in err
 
 
+@pytest.mark.slow
 def test_quick_reproduce_fills_every_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     table = reproduce("popnorm/table2", "quick", overrides=[f"hydra.sweep.dir={tmp_path}"])
     out = capsys.readouterr().out
@@ -121,3 +148,20 @@ def test_quick_reproduce_fills_every_cell(tmp_path: Path, capsys: pytest.Capture
     cells = [c.strip() for c in lines[0].strip("|").split("|")]
     ours = cells[1::3]  # top-1/top-5 of BN and POP-Norm, each followed by paper and Δ
     assert len(ours) == 4 and all(c.endswith("(2)") and not c.startswith("–") for c in ours)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["popnorm/table2", "bnp/hessian"])
+def test_same_runs_and_tables_as_before_the_presets_described_their_tables(
+        preset: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """tests/data/behaviour_before_refactor.json holds the run directories and the rendered
+    table of two presets at quick scale, made before presets carried their own sweeps and
+    report blocks: the same commands make the same runs and print the same tables."""
+    before = json.loads((Path(__file__).parent / "data" / "behaviour_before_refactor.json").read_text())[preset]
+    root = tmp_path / "sweep"
+    code, out = run_cli(["reproduce", preset, "scale=quick", f"hydra.sweep.dir={root}", "trainer.device=cpu"], capsys)
+    assert code == 0, out
+    code, table = run_cli(["table", preset, "scale=quick", f"results={root}"], capsys)
+    assert code == 0
+    assert sorted(str(p.parent.relative_to(root)) for p in root.rglob("summary.json")) == before["runs"]
+    assert table.replace(str(root), "RESULTS") == before["table"]

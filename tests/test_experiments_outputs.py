@@ -9,8 +9,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from bnexp.report.layouts import LAYOUTS
 from bnexp.report.plot import draw
+from bnexp.report.presets import load_preset
 from bnexp.report.results import load_summaries
 from tests.conftest import TINY, run_cli, run_dir_of
 
@@ -34,7 +34,7 @@ def write_runs(root: Path) -> None:
 
 def test_plot_draws_a_mean_line_per_row_in_each_column(tmp_path: Path) -> None:
     write_runs(tmp_path)
-    fig = draw(LAYOUTS["cbn/table1"], load_summaries(tmp_path), ("train_loss", "test_acc"), ["1", "2"])
+    fig = draw(load_preset("cbn/table1").layout, load_summaries(tmp_path), ("train_loss", "test_acc"), ["1", "2"])
     axes = np.array(fig.axes).reshape(2, 5)  # metrics x activations
     assert [ax.get_title() for ax in axes[0]] == ["Sigmoid", "Tanh", "ReLU", "SELU", "Swish"]
     epochs = [1, 2, 3]

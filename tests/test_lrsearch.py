@@ -8,7 +8,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bnexp.probes.lrsearch import collapsed, max_stable
+from bnexp.report.stability import collapsed
+from bnexp.studies.lrsearch import max_stable
 from tests.conftest import TINY, run_cli
 
 # real digits, so that a stable lr learns (a run that learns nothing counts as collapsed to chance)

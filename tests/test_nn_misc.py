@@ -315,6 +315,7 @@ COMPILED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMPILED))
 def test_torch_compile_matches_eager(name):
     make, check_eval = COMPILED[name]

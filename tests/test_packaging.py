@@ -10,8 +10,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_every_subpackage_is_listed() -> None:
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "bnexp").rglob("__init__.py")}
+    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("bnexp", "hydra_plugins")
+             for p in (ROOT / top).rglob("__init__.py")}
     assert found | {"bnexp.configs"} == set(setuptools["packages"])
+    assert not (ROOT / "hydra_plugins" / "__init__.py").exists()  # a namespace shared with Hydra's launchers
     assert setuptools["package-dir"] == {"bnexp.configs": "configs"}
     assert set(setuptools["package-data"]["bnexp.configs"]) >= {"*.yaml", "**/*.yaml"}
     assert (ROOT / "configs" / "__init__.py").is_file()
@@ -20,7 +22,7 @@ def test_every_subpackage_is_listed() -> None:
 def test_published_numbers_have_their_schema_and_known_values() -> None:
     """The package's copy of the published numbers: its columns, value ranges, and cells
     checked by hand against the papers (CBN Table 1, POP-Norm Table 2, BNP Tables 1-3)."""
-    from bnexp.report.reference import bnp_learning_rates, published
+    from bnexp.reference import bnp_learning_rates, published
 
     frame = published()
     assert list(frame.columns) == ["paper", "table", "dataset", "model", "activation", "row", "method", "metric",
@@ -46,3 +48,43 @@ def test_published_numbers_have_their_schema_and_known_values() -> None:
     lrs = bnp_learning_rates()
     assert lrs[("mlp3x100", "cifar10", 1, "bnp")] == 0.1 and lrs[("mlp3x100", "cifar10", 1, "bn")] is None
     assert lrs[("cnn5", "cifar10", 2, "brn")] == 0.01 and len(lrs) == 62
+
+
+# The layers of docs/architecture.md, lowest first; a module may import its own layer and
+# those below it. Lazy imports inside functions count too.
+LAYERS = [
+    ("bnexp.errors", "bnexp.registry", "bnexp.distributed", "bnexp.reference", "bnexp.commands", "bnexp.__init__"),
+    ("bnexp.nn",),
+    ("bnexp.activations", "bnexp.norms", "bnexp.models", "bnexp.scale_invariance"),
+    ("bnexp.config", "bnexp.data", "bnexp.optim", "bnexp.callbacks", "bnexp.methods", "bnexp.probes", "bnexp.loggers",
+     "bnexp.checkpoint", "bnexp.runinfo", "bnexp.speed", "bnexp.preemption", "bnexp.launch", "bnexp.trainer"),
+    ("bnexp.sweep", "bnexp.app", "hydra_plugins"),
+    ("bnexp.report", "bnexp.bench"),
+    ("bnexp.studies",),
+    ("bnexp.cli", "bnexp.__main__"),
+]
+
+
+def layer_of(module: str) -> int:
+    matches = [(len(prefix), i) for i, layer in enumerate(LAYERS) for prefix in layer
+               if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is in no layer of docs/architecture.md"
+    return max(matches)[1]
+
+
+def test_imports_point_one_way() -> None:
+    """nn -> models -> trainer -> sweep -> report -> studies -> cli: no module imports a higher layer."""
+    import ast
+
+    for top in ("bnexp", "hydra_plugins"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            module = module if module != "bnexp" else "bnexp.__init__"
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
+                         else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                for name in names:
+                    if name == "bnexp":
+                        continue  # the package's version
+                    if name.startswith(("bnexp.", "hydra_plugins.")):
+                        assert layer_of(name) <= layer_of(module), f"{module} imports {name}, a higher layer"

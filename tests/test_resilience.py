@@ -67,6 +67,7 @@ def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, min_step: int, ti
     raise AssertionError(f"no checkpoint at step >= {min_step} appeared (exit code {proc.poll()})")
 
 
+@pytest.mark.slow
 def test_sigkill_then_rerun_is_bit_identical(tmp_path: Path) -> None:
     steps = 60
     reference = tmp_path / "reference"
@@ -83,6 +84,7 @@ def test_sigkill_then_rerun_is_bit_identical(tmp_path: Path) -> None:
     assert_same_run(reference, killed)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_with_code(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(cli_command(run_dir, 100_000), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -186,6 +188,7 @@ def test_sweep_survives_failed_and_diverged_cells(tmp_path: Path, capsys: pytest
     assert "3 cells: 0 completed, 0 diverged, 1 failed, 2 skipped" in out
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_torchrun_launcher_reaches_the_ranks(tmp_path: Path) -> None:
     """trainer.nproc=2: the signal goes to the launching process only (plain sbatch with B:)."""
     run_dir = tmp_path / "run"

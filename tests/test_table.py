@@ -10,16 +10,18 @@ from pathlib import Path
 import pytest
 
 from bnexp.errors import ConfigError
-from bnexp.report.layouts import CBN_ROW_LABELS, LAYOUTS, Axis, Layout
+from bnexp.report.layouts import Axis, Layout
+from bnexp.report.presets import load_preset
 from bnexp.report.results import load_summaries
 from bnexp.report.table import build, render
 from tests.conftest import run_cli
 
 LAYOUT = Layout(
     "Test table",
-    rows=(Axis("tags.row", (1, 2), "Method", "row", CBN_ROW_LABELS),),
-    columns=(Axis("act.name", ("sigmoid", "tanh", "relu"), "Activation", "activation"),),
-    paper="cbn", table="1", tune="norm.rho", tuned_rows=frozenset({2}), improv=True, flags={"AMAT": {2: True}},
+    rows=(Axis("tags.row", (1, 2), "Method", "row", {1: "1 BN (baseline)", 2: "2 CBN"}, sweep="tags.row"),),
+    columns=(Axis("act.name", ("sigmoid", "tanh", "relu"), "Activation", "activation", sweep="act"),),
+    paper="cbn", table="1", tune="norm.rho", tuned_rows=frozenset({2}), improv=True, flags={"AMAT": frozenset({2})},
+    sweeps=({"tags.row": ["1", "2"], "act": ["sigmoid", "tanh", "relu"], "trainer.seed": ["0", "1"]},),
 )
 # (row, activation, rho, seed, status, top-1); seeds 0 and 1 are expected in every cell
 RUNS = [
@@ -57,12 +59,12 @@ def write_runs(root: Path) -> None:
 
 def test_markdown_counts_every_run(tmp_path: Path) -> None:
     write_runs(tmp_path)
-    assert render(build(LAYOUT, load_summaries(tmp_path), expected=2), "markdown", "Test table") == EXPECTED
+    assert render(build(LAYOUT, load_summaries(tmp_path)), "markdown", "Test table") == EXPECTED
 
 
 def test_latex_and_csv(tmp_path: Path) -> None:
     write_runs(tmp_path)
-    table = build(LAYOUT, load_summaries(tmp_path), expected=2)
+    table = build(LAYOUT, load_summaries(tmp_path))
     latex = render(table, "latex", "Test table")
     assert latex.startswith("\\begin{table}") and "\\toprule" in latex and "88.50 ± 0.71 (2) rho=2" in latex
     csv = render(table, "csv", "Test table").splitlines()
@@ -99,7 +101,7 @@ def write_lr_run(root: Path, lr: float, first_epoch_loss: float, probe_losses: t
 
 
 def relu_cbn_cell(root: Path) -> str:
-    table = build(LAYOUTS["cbn/table6"], load_summaries(root), expected=1)
+    table = build(load_preset("cbn/table6").layout, load_summaries(root))
     return table.set_index("Method").loc["CBN", "ReLU"]
 
 
@@ -108,14 +110,14 @@ def test_table6_stability_compares_the_loss_probe_at_step_0_and_the_end(tmp_path
     # (1.5) is below it, a collapse; lr 0.1 lowers the loss and is the largest stable lr
     write_lr_run(tmp_path, 1.0, first_epoch_loss=5.0, probe_losses=(1.5, 2.0))
     write_lr_run(tmp_path, 0.1, first_epoch_loss=2.5, probe_losses=(2.3, 1.0))
-    assert relu_cbn_cell(tmp_path) == "50.10 (1) lr=0.1"
+    assert relu_cbn_cell(tmp_path) == "50.10 (1; 9 missing) lr=0.1"  # the preset runs 10 seeds
 
 
 def test_table6_counts_a_collapse_to_chance_as_unstable(tmp_path: Path) -> None:
     # lr 1 lowers the loss from 6.0 to ln(10), where a constant prediction sits, at 10 % top-1
     write_lr_run(tmp_path, 1.0, first_epoch_loss=5.0, probe_losses=(6.0, math.log(10)), top1=10.0)
     write_lr_run(tmp_path, 0.1, first_epoch_loss=2.5, probe_losses=(2.3, 1.0))
-    assert relu_cbn_cell(tmp_path) == "50.10 (1) lr=0.1"
+    assert relu_cbn_cell(tmp_path) == "50.10 (1; 9 missing) lr=0.1"  # the preset runs 10 seeds
 
 
 def test_table6_needs_the_loss_probe(tmp_path: Path) -> None:
@@ -134,5 +136,5 @@ def test_timing_reads_training_seconds_from_the_time_probe(tmp_path: Path) -> No
     rows = [(10, "epoch_s", 4.0), (10, "epoch_steps", 10), (15, "epoch_s", 3.0), (15, "epoch_steps", 5)]
     (run / "probes.csv").write_text("step,probe,layer,quantity,value\n"
                                     + "".join(f"{s},time,all,{q},{v}\n" for s, q, v in rows))
-    table = build(LAYOUTS["bnp/timing"], load_summaries(tmp_path), expected=1).set_index("Method")
+    table = build(load_preset("bnp/timing").layout, load_summaries(tmp_path)).set_index("Method")
     assert table.loc["BN", "batch 16"] == "4.67 (1)"  # (4 + 3) s / 15 steps x 10 steps per epoch

@@ -16,12 +16,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from bnexp.errors import ConfigError, unknown_choice  # noqa: E402
-from bnexp.report.layouts import LAYOUTS, Layout  # noqa: E402
-from bnexp.commands import exit_on_error
-from bnexp.report.presets import parse_command, plan  # noqa: E402
+from bnexp.commands import exit_on_error  # noqa: E402
+from bnexp.errors import ConfigError  # noqa: E402
+from bnexp.report.layouts import Layout, same  # noqa: E402
+from bnexp.report.presets import load_preset, parse_command  # noqa: E402
 from bnexp.report.results import load_metrics, load_summaries  # noqa: E402
-from bnexp.report.table import choose, combos, same, select  # noqa: E402
+from bnexp.report.table import choose, combos, select  # noqa: E402
 
 METRIC_NAMES = {"train_loss": "training loss", "test_loss": "test loss", "test_acc": "test top-1 (%)",
                 "train_acc": "training top-1 (%)", "test_top5": "test top-5 (%)"}
@@ -56,7 +56,7 @@ def draw(layout: Layout, frame: pd.DataFrame, metrics: Sequence[str], rows: Sequ
         axes[0][j].set_title(" ".join(a.label(col[a.key]) for a in layout.columns), fontsize=9)
         for row in lines:
             keys = {**row, **col}
-            if layout.not_run and layout.not_run(keys):
+            if layout.sweep_of(keys) is None:  # a cell the paper never ran
                 continue
             runs, suffix = line_runs(frame, layout, keys)
             label = " ".join(a.label(row[a.key]) for a in layout.rows) + suffix
@@ -76,15 +76,14 @@ def draw(layout: Layout, frame: pd.DataFrame, metrics: Sequence[str], rows: Sequ
     return fig
 
 
-def plot(name: str, results: Path, out: Path, metrics: Sequence[str] = ("train_loss", "test_acc"),
+def plot(name: str, layout: Layout, results: Path, out: Path, metrics: Sequence[str] = ("train_loss", "test_acc"),
          rows: Sequence[str] = ()) -> list[Path]:
-    """Draw preset ``name`` from the runs under ``results``; return the PNG and PDF paths."""
-    if name not in LAYOUTS:
-        raise unknown_choice("preset", name, LAYOUTS)
+    """Draw preset ``name``'s table ``layout`` from the runs under ``results``; return the PNG
+    and PDF paths."""
     frame = load_summaries(results)
     if frame.empty:
         raise ConfigError(f"no summary.json under {results}: run the sweep first")
-    fig = draw(LAYOUTS[name], frame, metrics, rows)
+    fig = draw(layout, frame, metrics, rows)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name.replace('/', '_')}.{ext}" for ext in ("png", "pdf")]
     for path in paths:
@@ -103,10 +102,11 @@ def plot_for(args: list[str]) -> None:
     usage = "bnexp plot <paper>/<name> [results=DIR] [out=DIR] [metrics=train_loss,test_acc] [rows=...]"
     defaults = {"results": "", "out": "", "metrics": "train_loss,test_acc", "rows": "", "scale": "full"}
     name, opts, overrides = parse_command(args, usage, defaults)
-    results = Path(opts["results"] or plan(name, opts["scale"], overrides).results_dir)
+    p = load_preset(name, opts["scale"], overrides)
+    results = Path(opts["results"] or p.results_dir)
     rows = [v for v in opts["rows"].split(",") if v]
     out = Path(opts["out"] or results / "plots")
     from bnexp.probes.plot import plot_results  # the runs' probes.csv figures, if any
 
-    for path in [*plot(name, results, out, opts["metrics"].split(","), rows), *plot_results(results, out)]:
+    for path in [*plot(name, p.layout, results, out, opts["metrics"].split(","), rows), *plot_results(results, out)]:
         print(path)

@@ -1,31 +1,31 @@
-"""Paper presets (``configs/experiment/<paper>/<name>.yaml``): their runs and their cost.
+"""Paper presets (``configs/experiment/<paper>/<name>.yaml``): their sweeps, table and cost.
 
-A preset is a Hydra overlay holding a protocol and a sweep (``hydra.sweeper.params``).
-:func:`plan` expands the sweep exactly as Hydra's basic sweeper does (a Cartesian
-product, command-line values replacing the preset's), so ``bnexp reproduce`` can count,
-cost and stage the runs that ``bnexp train -m experiment=<preset>`` would start.
+A preset is a Hydra overlay holding a protocol, its sweeps (``hydra.sweeper.sweeps``, run as
+their union by :class:`bnexp.sweep.BnexpSweeper`) and the description of its table
+(``hydra.sweeper.report``). :class:`Preset` reads both from the composed config: the table
+commands use the sweeps' values without expanding them; ``bnexp reproduce`` expands them
+(:func:`bnexp.sweep.expand`) to count and cost the runs.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import yaml
 from hydra import compose, initialize_config_dir
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 
-from bnexp.config import config_dir, lr_not_applicable, register_resolvers, uses_bnp_lr
 from bnexp.commands import split_options
+from bnexp.config import config_dir, register_resolvers
 from bnexp.errors import ConfigError, unknown_choice
+from bnexp.report.layouts import Layout, layout_from
+from bnexp.sweep import Job, expand, sweep_lines
 
 SEED = "trainer.seed"
 SCALES = ("full", "quick")
@@ -47,18 +47,6 @@ def preset_names() -> list[str]:
     return sorted(str(p.relative_to(root).with_suffix("")) for p in root.glob("*/*.yaml"))
 
 
-def check_preset(name: str) -> None:
-    """Raise a ConfigError naming the valid presets unless ``name`` is one."""
-    if name not in preset_names():
-        raise unknown_choice("preset", name, preset_names())
-
-
-def check_scale(scale: str) -> None:
-    """Raise a ConfigError unless ``scale`` is full or quick."""
-    if scale not in SCALES:
-        raise unknown_choice("scale", scale, SCALES)
-
-
 def preset_overrides(name: str, scale: str = "full") -> list[str]:
     """The command-line overrides selecting a preset at a scale."""
     return [f"experiment={name}", *([f"scale={scale}"] if scale != "full" else [])]
@@ -72,27 +60,77 @@ def hydra_session() -> Iterator[None]:
         yield
 
 
-def compose_preset(name: str, scale: str = "full", overrides: Sequence[str] = ()) -> DictConfig:
-    """The preset's config, Hydra node included (call inside :func:`hydra_session`)."""
-    check_preset(name)
-    check_scale(scale)
-    return compose("train", [*preset_overrides(name, scale), *overrides], return_hydra_config=True)
+def parser() -> OverridesParser:
+    """Hydra's override parser on bnexp's config tree (call inside :func:`hydra_session`)."""
+    return OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
 
 
-def sweep_arguments(cfg: DictConfig) -> list[str]:
-    """``hydra.sweeper.params`` as override strings."""
-    return [f"{key}={value}" for key, value in cfg.hydra.sweeper.params.items()]
+def values_of(lines: Sequence[str]) -> dict[str, list[str]]:
+    """Each key's values in override lines (a later line for a key replaces an earlier one):
+    ``["act=relu,tanh", "trainer.seed=range(2)"]`` -> ``{"act": ["relu", "tanh"], ...}``."""
+    found: dict[str, list[str]] = {}
+    for override in parser().parse_overrides(list(lines)):
+        key = override.get_key_element()
+        found[key] = (list(override.sweep_string_iterator()) if override.is_sweep_override()
+                      else [override.get_value_element_as_str()])
+    return found
 
 
-def parse(arguments: Sequence[str]) -> list[Override]:
-    """Hydra's parse of override strings (``glob`` reads the config tree)."""
-    loader = GlobalHydra.instance().config_loader()
-    return OverridesParser.create(config_loader=loader).parse_overrides(list(arguments))
+@dataclass
+class Preset:
+    """A preset at a scale, with the command line's extra overrides, composed once."""
+
+    name: str
+    scale: str
+    cfg: DictConfig  # with its hydra node
+    overrides: tuple[str, ...] = ()  # the command line's, hydra.* included
+    task: tuple[str, ...] = ()  # the command line's that a job's overrides hold (no hydra.*)
+    params: tuple[str, ...] = ()  # hydra.sweeper.params (scale=quick's seeds) as override lines
+    sweeps: tuple[dict[str, list[str]], ...] = ()  # each sweep's values per key, params and overrides applied
+    jobs: tuple[Job, ...] = ()  # the expanded union (reproduce's count and cost)
+
+    @property
+    def results_dir(self) -> Path:
+        """Where the sweep writes its runs (the preset's ``hydra.sweep.dir``)."""
+        return Path(self.cfg.hydra.sweep.dir)
+
+    @cached_property
+    def layout(self) -> Layout:
+        """The preset's table (``hydra.sweeper.report``), its cells tied to the sweeps."""
+        report = self.cfg.hydra.sweeper.get("report")
+        if report is None:
+            raise ConfigError(f"preset {self.name} has no report block (hydra.sweeper.report): it has no table")
+        fixed = {a["key"]: OmegaConf.select(self.cfg, a["key"]) for a in [*report.rows, *report.columns]}
+        return layout_from(OmegaConf.to_container(report, resolve=True), self.sweeps, fixed)
+
+    @property
+    def seeds(self) -> list[int]:
+        """The seeds any sweep runs, in order."""
+        return sorted({int(s) for sweep in self.sweeps for s in sweep.get(SEED, [self.cfg.trainer.seed])})
 
 
-def expand(arguments: Sequence[str]) -> list[tuple[str, ...]]:
-    """The jobs Hydra's basic sweeper makes of these sweep arguments (later keys win)."""
-    return [tuple(job) for job in BasicSweeper.split_arguments(parse(arguments), None)[0]]
+def load_preset(name: str, scale: str = "full", overrides: Sequence[str] = ()) -> Preset:
+    """Compose preset ``name`` at ``scale`` (plus command-line overrides), with its sweeps."""
+    if name not in preset_names():
+        raise unknown_choice("preset", name, preset_names())
+    if scale not in SCALES:
+        raise unknown_choice("scale", scale, SCALES)
+    with hydra_session():
+        sweep_overrides = [o.input_line for o in parser().parse_overrides(list(overrides)) if o.is_sweep_override()]
+        fixed = [o for o in overrides if o not in sweep_overrides]
+        cfg = compose("train", [*preset_overrides(name, scale), *fixed], return_hydra_config=True)
+        preset_sweeps = OmegaConf.to_container(cfg.hydra.sweeper.sweeps) or [{}]
+        params = OmegaConf.to_container(cfg.hydra.sweeper.params) if cfg.hydra.sweeper.params else {}
+        task = [o for o in overrides if not o.startswith(("hydra.", "hydra/"))]  # what a job's overrides hold
+        sweeps = tuple(values_of([*sweep_lines(s), *sweep_lines(params), *task]) for s in preset_sweeps)
+        jobs = tuple(expand(preset_sweeps, params, task, parser()))
+    return Preset(name, scale, cfg, tuple(overrides), tuple(task), tuple(sweep_lines(params)), sweeps, jobs)
+
+
+def count(p: Preset, sweeps: Sequence[Sequence[str]]) -> int:
+    """How many runs these command-line sweeps of the preset make (with its params)."""
+    with hydra_session():
+        return sum(len(expand([{}], None, [*p.params, *p.task, *sweep], parser())) for sweep in sweeps)
 
 
 def job_value(job: Sequence[str], key: str) -> str | None:
@@ -104,86 +142,17 @@ def job_value(job: Sequence[str], key: str) -> str | None:
     return None
 
 
-def without(job: Sequence[str], key: str) -> tuple[str, ...]:
-    """The job's overrides less the one for ``key``."""
-    return tuple(item for item in job if item.partition("=")[0] != key)
-
-
-def fixed_overrides(overrides: Sequence[str]) -> list[str]:
-    """The overrides that are not sweeps (those a single config can take)."""
-    return [o.input_line for o in parse(overrides) if not o.is_sweep_override()]
-
-
-@dataclass
-class Plan:
-    """The runs of a preset at a scale: Hydra override tuples, one per run."""
-
-    name: str
-    scale: str
-    cfg: DictConfig
-    jobs: list[tuple[str, ...]]
-    overrides: tuple[str, ...] = ()
-
-    @property
-    def results_dir(self) -> Path:
-        """Where the sweep writes its runs (the preset's ``hydra.sweep.dir``)."""
-        return Path(self.cfg.hydra.sweep.dir)
-
-    @property
-    def seeds(self) -> list[int]:
-        """The seeds of the sweep, in order."""
-        return sorted({int(job_value(job, SEED) or self.cfg.trainer.seed) for job in self.jobs})
-
-
-# Sweep keys that pick a config group, and the config key that records the choice.
-CHOICE_KEYS = {"dataset": "tags.data", "model": "model.name", "norm": "norm.name", "act": "act.name"}
-
-
-def cell_view(base: DictConfig, job: Sequence[str]) -> DictConfig:
-    """The base config with a job's overrides written into the keys they decide.
-
-    A group choice (``norm=bnp``) sets the key naming it (``norm.name``), not the whole
-    group: enough to resolve ``${bnp_lr:...}`` without composing every job (slow).
-    """
-    view = OmegaConf.create(OmegaConf.to_container(base, resolve=False))
-    for item in job:
-        key, _, value = item.partition("=")
-        OmegaConf.update(view, CHOICE_KEYS.get(key, key), yaml.safe_load(value), force_add=True)
-    return view
-
-
-def applicable(jobs: list[tuple[str, ...]], cfg: DictConfig) -> list[tuple[str, ...]]:
-    """Drop the jobs whose learning rate the BNP table marks N/A (checked once per cell)."""
-    base = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
-    keep: dict[tuple[str, ...], bool] = {}
-    for job in jobs:
-        cell = without(job, SEED)
-        if cell not in keep:
-            keep[cell] = not lr_not_applicable(cell_view(base, cell))
-    return [job for job in jobs if keep[without(job, SEED)]]
-
-
-def plan(name: str, scale: str = "full", overrides: Sequence[str] = ()) -> Plan:
-    """Expand a preset's sweep (plus extra overrides) into its runs."""
-    with hydra_session():
-        cfg = compose_preset(name, scale, fixed_overrides(overrides))
-        jobs = expand([*sweep_arguments(cfg), *overrides])
-        if uses_bnp_lr(cfg):
-            jobs = applicable(jobs, cfg)
-    return Plan(name, scale, cfg, jobs, tuple(overrides))
-
-
 def steps_per_run(cfg: DictConfig, job: Sequence[str]) -> int:
     """Optimizer steps of one run (its batch size and data set may be swept)."""
     if cfg.trainer.max_steps is not None:
         return int(cfg.trainer.max_steps)
     batch = int(job_value(job, "trainer.batch_size") or cfg.trainer.batch_size)
-    data = job_value(job, "dataset") or cfg.tags.get("data", cfg.data.name)
+    data = job_value(job, "paper_data") or cfg.tags.get("data", cfg.data.name)
     size = int(cfg.data.train_size) if cfg.data.name == "synthetic" else TRAIN_SIZES.get(data, 50_000)
     return int(round(float(cfg.trainer.epochs) * math.ceil(size / batch)))
 
 
-def estimate(p: Plan) -> str:
+def estimate(p: Preset) -> str:
     """One line: how many runs and roughly how much compute they take."""
     if p.scale == "quick":
         return f"{len(p.jobs)} runs, about {len(p.jobs) * QUICK_SECONDS_PER_RUN / 60:.1f} CPU minutes"
@@ -194,39 +163,9 @@ def estimate(p: Plan) -> str:
     return f"{len(p.jobs)} runs, about {seconds / 3600:,.0f} GPU-hours (rough: one current GPU per run)"
 
 
-# A run that ended with one of these is a result: re-running its command skips it. Failed,
-# preempted and interrupted runs run again (resuming from their checkpoints).
-FINISHED = ("completed", "diverged")
-
-
-def skip_reason(cfg: DictConfig, run_dir: Path) -> str | None:
-    """Why a job should not train: N/A in the paper, or already completed or diverged."""
-    if lr_not_applicable(cfg):
-        return "the paper lists no learning rate for this cell (N/A)"
-    summary = run_dir / "summary.json"
-    if str(cfg.trainer.get("resume", "auto")) == "never" or not summary.is_file():
-        return None
-    try:
-        status = json.loads(summary.read_text()).get("status")
-    except (OSError, ValueError):
-        return None
-    if status in FINISHED:
-        return f"already {status} (trainer.resume=never runs it again)"
-    return None
-
-
 def parse_command(args: Sequence[str], usage: str, defaults: dict[str, str]) -> tuple[str, dict[str, str], list[str]]:
     """``<paper>/<name> key=value ...`` -> (preset, this command's options, Hydra overrides)."""
     if not args or "=" in args[0]:
         raise ConfigError(f"usage: {usage}; presets: {', '.join(preset_names())}")
     given, overrides = split_options(args[1:], defaults)
     return args[0], {**defaults, **given}, overrides
-
-
-def spread_over_gpus(job_num: int) -> None:
-    """Sweep job ``n`` trains on GPU ``n mod count`` when several GPUs are visible."""
-    import torch
-
-    count = torch.cuda.device_count()
-    if count > 1:
-        torch.cuda.set_device(job_num % count)

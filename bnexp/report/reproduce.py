@@ -1,84 +1,77 @@
-"""``bnexp reproduce <paper>/<name>``: count, cost, run a preset's sweep, print its table.
+"""``bnexp reproduce <paper>/<name>``: count, cost, run a preset's sweeps, print its table.
 
-The sweep is ``bnexp train -m experiment=<preset>`` run in this process (any Hydra
+The sweeps run as ``bnexp train -m experiment=<preset>`` in this process (any Hydra
 launcher override, such as ``hydra/launcher=joblib``, passes through). A full-scale
 preset stops before launching on a machine without a GPU unless ``force=true``.
-``tune_seeds=N`` runs the tuned-rho rows of CBN Tables 1-4 in two stages: the rho grid
-on seeds 0..N-1, then the winning rho of each cell on the remaining seeds.
+``tune_seeds=N`` runs a preset whose table tunes a parameter for the best mean (the rho
+of CBN Tables 1-4) in two stages: the sweeps that vary it on seeds 0..N-1 (the others on
+every seed), then each of their cells at its winning value on the remaining seeds.
 """
 
 from __future__ import annotations
 
-import re
+import itertools
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
-from bnexp.errors import EXIT_CONFIG, ConfigError
 from bnexp.commands import exit_on_error
-from bnexp.report.presets import SEED, Plan, estimate, expand, hydra_session, job_value, parse_command
-from bnexp.report.presets import plan, preset_overrides, sweep_arguments
+from bnexp.errors import EXIT_CONFIG, ConfigError
+from bnexp.report.presets import SEED, Preset, count, estimate, load_preset, parse_command, preset_overrides
 from bnexp.report.results import load_summaries
 from bnexp.report.table import best_choice, select, table_text
 
-TUNED_KEY = "cbn_row"
-TUNED_OPTION = re.compile(r"r(\d+)_rho(.+)")
+Lines = list[str]  # one command-line sweep, "key=value" lines
 
 
-def launch(p: Plan, arguments: Sequence[str]) -> None:
-    """``bnexp train -m`` over the preset with these extra sweep arguments, in-process."""
-    from bnexp.cli import multirun
+def launch(p: Preset, sweep: Optional[Sequence[str]] = None) -> None:
+    """``bnexp train -m`` over the preset, in-process: its own sweeps, or only ``sweep``."""
+    from bnexp.app import multirun
 
-    multirun([*preset_overrides(p.name, p.scale), *p.overrides, *arguments])
-
-
-def options(p: Plan, key: str) -> list[str]:
-    """The values ``key`` takes in the plan's jobs, in sweep order."""
-    return list(dict.fromkeys(v for job in p.jobs if (v := job_value(job, key)) is not None))
+    only = [] if sweep is None else ["hydra.sweeper.sweeps=[]", *sweep]
+    multirun([*preset_overrides(p.name, p.scale), *p.overrides, *only])
 
 
-def tuned_options(p: Plan) -> tuple[list[str], dict[int, list[str]]]:
-    """The untuned row options, and the tuned ones grouped by row number."""
-    if TUNED_KEY not in p.cfg.hydra.sweeper.params:
-        raise ConfigError(f"tune_seeds applies to presets that sweep {TUNED_KEY} (cbn/table1-4), not {p.name}")
-    untuned, tuned = [], {}
-    for option in options(p, TUNED_KEY):
-        match = TUNED_OPTION.fullmatch(option)
-        if match:
-            tuned.setdefault(int(match.group(1)), []).append(option)
-        else:
-            untuned.append(option)
-    return untuned, tuned
+def tuned_key(p: Preset) -> str:
+    """The parameter the preset's table tunes for the best mean; an error without one."""
+    if p.layout.tune is None or p.layout.select != "best":
+        raise ConfigError(f"tune_seeds applies to presets whose table tunes a parameter for the best mean "
+                          f"(cbn/table1-4), not {p.name}")
+    return p.layout.tune
 
 
-def stage_one(p: Plan, tune_seeds: int) -> list[list[str]]:
-    """Sweeps of stage 1: untuned rows on every seed, the rho grid on the first seeds."""
-    untuned, tuned = tuned_options(p)
-    grid = [o for row in tuned.values() for o in row]
-    return [[f"{TUNED_KEY}={','.join(untuned)}"], [f"{TUNED_KEY}={','.join(grid)}", f"{SEED}=range({tune_seeds})"]]
-
-
-def stage_two(p: Plan, tune_seeds: int) -> list[list[str]]:
-    """Sweeps of stage 2: each tuned row's winning rho per activation, remaining seeds."""
-    frame = load_summaries(p.results_dir)
-    seeds = ",".join(str(s) for s in p.seeds if s >= tune_seeds)
+def stage_one(p: Preset, tune_seeds: int) -> list[Lines]:
+    """The preset's sweeps, those that vary the tuned parameter on seeds below ``tune_seeds``."""
+    key = tuned_key(p)
     sweeps = []
-    for row, acts in ((row, options(p, "act")) for row in tuned_options(p)[1]):
-        for act in acts:
-            runs = select(frame, {"tags.row": row, "act.name": act})
-            runs = runs[runs[SEED] < tune_seeds] if len(runs) else runs
-            rho = best_choice(runs, "norm.rho", "final_top1") if len(runs) else None
-            if rho is not None and seeds:
-                sweeps.append([f"{TUNED_KEY}=r{row}_rho{rho:g}", f"act={act}", f"{SEED}={seeds}"])
+    for sweep in p.sweeps:
+        values = dict(sweep)
+        if key in sweep:
+            values[SEED] = [s for s in sweep.get(SEED, [str(p.cfg.trainer.seed)]) if int(s) < tune_seeds]
+        sweeps.append([f"{k}={','.join(v)}" for k, v in values.items()])
     return sweeps
 
 
-def count(p: Plan, sweeps: Sequence[Sequence[str]]) -> int:
-    """How many runs these sweeps of the preset make."""
-    with hydra_session():
-        return sum(len(expand([*sweep_arguments(p.cfg), *p.overrides, *sweep])) for sweep in sweeps)
+def stage_two(p: Preset, tune_seeds: int) -> list[Lines]:
+    """For each cell of the tuning sweeps: its winning value (best mean over the first seeds)
+    on the remaining seeds. A cell is a combination of the sweep's other keys; its runs are
+    found by the overrides Hydra recorded for them."""
+    key = tuned_key(p)
+    frame = load_summaries(p.results_dir)
+    second = []
+    for sweep in (s for s in p.sweeps if key in s):
+        later = [s for s in sweep.get(SEED, []) if int(s) >= tune_seeds]
+        others = [k for k in sweep if k not in (key, SEED)]
+        for combo in itertools.product(*(sweep[k] for k in others)):
+            runs = select(frame, {f"overrides.{k}": v for k, v in zip(others, combo)})
+            runs = runs[runs[SEED] < tune_seeds] if len(runs) else runs
+            best = best_choice(runs, key, "final_top1") if len(runs) else None
+            if best is not None and later:
+                second.append([*(f"{k}={v}" for k, v in zip(others, combo)), f"{key}={best}",
+                               f"{SEED}={','.join(later)}"])
+    return second
 
 
-def gate(p: Plan, force: bool) -> None:
+def gate(p: Preset, force: bool) -> None:
     """Stop a full-scale sweep on a machine without a GPU, unless forced."""
     import torch
 
@@ -91,12 +84,12 @@ def gate(p: Plan, force: bool) -> None:
 
 def reproduce(name: str, scale: str = "full", force: bool = False, tune_seeds: int | None = None,
               overrides: Sequence[str] = ()) -> str:
-    """Run a preset's sweep (staged when ``tune_seeds`` is set) and return its table."""
-    p = plan(name, scale, overrides)
+    """Run a preset's sweeps (staged when ``tune_seeds`` is set) and return its table."""
+    p = load_preset(name, scale, overrides)
     if tune_seeds is None:
         print(f"bnexp reproduce {name} (scale {scale}): {estimate(p)}; results in {p.results_dir}", flush=True)
         gate(p, force)
-        launch(p, [])
+        launch(p)
     else:
         first = stage_one(p, tune_seeds)
         print(f"bnexp reproduce {name} (scale {scale}, tune_seeds={tune_seeds}): stage 1, {count(p, first)} of the "
@@ -105,10 +98,11 @@ def reproduce(name: str, scale: str = "full", force: bool = False, tune_seeds: i
         for sweep in first:
             launch(p, sweep)
         second = stage_two(p, tune_seeds)
-        print(f"bnexp reproduce {name}: stage 2, {count(p, second)} runs at the winning rho", flush=True)
+        print(f"bnexp reproduce {name}: stage 2, {count(p, second)} runs at the winning {p.layout.tune_name}",
+              flush=True)
         for sweep in second:
             launch(p, sweep)
-    return table_text(name, p.results_dir, len(p.seeds))
+    return table_text(p, p.results_dir)
 
 
 def command(args: list[str]) -> None:

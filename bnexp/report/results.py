@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import yaml
 
 from bnexp.probes.callback import read_probes
 
@@ -21,16 +22,24 @@ def _flatten(prefix: str, node: Any, out: dict[str, Any]) -> None:
         out[prefix] = node
 
 
+def run_overrides(run_dir: Path) -> dict[str, str]:
+    """The overrides Hydra recorded for a sweep's job (``.hydra/overrides.yaml``), by key."""
+    path = run_dir / ".hydra" / "overrides.yaml"
+    lines = yaml.safe_load(path.read_text()) if path.is_file() else None
+    return dict(line.split("=", 1) for line in lines or [] if "=" in line)
+
+
 def summary_row(path: Path) -> dict[str, Any]:
-    """One run: status, metrics, and the config flattened to dotted keys (``act.name``)."""
+    """One run: status, metrics, the config flattened to dotted keys (``act.name``), and the
+    job's overrides as ``overrides.<key>`` (``overrides.cbn_row``: the values its sweep gave)."""
+    row: dict[str, Any] = {f"overrides.{key}": value for key, value in run_overrides(path.parent).items()}
+    row["run_dir"] = str(path.parent)
     try:
         summary = json.loads(path.read_text())
     except (OSError, ValueError) as err:  # a half-written or corrupt file counts as failed
-        return {"status": "failed", "error": f"unreadable summary: {err}", "run_dir": str(path.parent)}
-    row: dict[str, Any] = {}
+        return {**row, "status": "failed", "error": f"unreadable summary: {err}"}
     _flatten("", summary.pop("config", {}), row)
     row.update({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
-    row["run_dir"] = str(path.parent)
     return row
 
 

@@ -17,11 +17,11 @@ import pandas as pd
 
 from bnexp.commands import exit_on_error
 from bnexp.errors import ConfigError, unknown_choice
-from bnexp.probes.lrsearch import collapsed, loss_endpoints, recorded_classes
-from bnexp.report.layouts import LAYOUTS, METRIC_LABELS, METRICS, Layout
-from bnexp.report.presets import parse_command, plan
-from bnexp.report.reference import published
+from bnexp.report.layouts import METRIC_LABELS, METRICS, Layout, same
+from bnexp.report.presets import SEED, Preset, load_preset, parse_command
+from bnexp.reference import published
 from bnexp.report.results import load_summaries, seconds_per_epoch
+from bnexp.report.stability import largest_stable
 
 FORMATS = ("markdown", "latex", "csv")
 LEGEND = ("cell: mean ± std (completed runs; diverged, failed and missing runs); "
@@ -47,14 +47,6 @@ class Cell:
         counts = f"({self.n}{'; ' + ', '.join(notes) if notes else ''})"
         tuned = f" {tune_name}={self.choice:g}" if self.choice is not None else ""
         return f"{value} {counts}{tuned}"
-
-
-def same(a: Any, b: Any) -> bool:
-    """Equal as numbers when both are numbers, else as text."""
-    try:
-        return float(a) == float(b)
-    except (TypeError, ValueError):
-        return str(a) == str(b)
 
 
 def select(frame: pd.DataFrame, keys: Mapping[str, Any]) -> pd.DataFrame:
@@ -95,31 +87,17 @@ def best_choice(runs: pd.DataFrame, key: str, metric: str, seed: str = "trainer.
     return max(sorted(means), key=lambda v: means[v])
 
 
-def run_collapsed(run: pd.Series) -> bool:
-    """``bnexp lrsearch``'s collapse rule on a run's ``loss`` probe (step 0 vs final weights)
-    and its summary (final top-1, number of classes)."""
-    if run["status"] != "completed":
-        return True
-    initial, final = loss_endpoints(Path(run["run_dir"]))
-    if math.isnan(initial):
-        raise ConfigError(f"{run['run_dir']} has no step-0 rows of the loss probe in probes.csv, which the stability "
-                          "rule needs: train it with probes=[loss] (experiment=cbn/table6 does)")
-    classes = recorded_classes(run, Path(run["run_dir"]))
-    return collapsed(run["status"], initial, final, float(run["final_top1"]), classes)
-
-
-def largest_stable(runs: pd.DataFrame, key: str, metric: str) -> Any:
-    """The largest value none of whose runs collapsed (:func:`run_collapsed`)."""
-    for value, group in sorted(runs.groupby(key), key=lambda item: -float(item[0])):
-        if not any(run_collapsed(run) for _, run in group.iterrows()):
-            return value
-    return None
-
-
 def choose(layout: Layout, runs: pd.DataFrame, metric: str) -> Any:
-    """The tuned value a cell reports: the best mean, or the largest stable value."""
-    pick = best_choice if layout.select == "best" else largest_stable
-    return pick(runs, layout.tune, metric) if len(runs) else None
+    """The tuned value a cell reports: the best mean, or the largest stable value (Table 6)."""
+    if not len(runs):
+        return None
+    return best_choice(runs, layout.tune, metric) if layout.select == "best" else largest_stable(runs, layout.tune)
+
+
+def expected_runs(layout: Layout, keys: Mapping[str, Any], default_seed: int) -> int:
+    """How many runs a cell should have: its sweep's seeds (0 for a cell no sweep makes)."""
+    sweep = layout.sweep_of(keys)
+    return 0 if sweep is None else len(sweep.get(SEED, [default_seed]))
 
 
 def cell(frame: pd.DataFrame, layout: Layout, keys: Mapping[str, Any], metric: str, expected: int) -> Cell:
@@ -171,25 +149,33 @@ def with_metrics(frame: pd.DataFrame, layout: Layout) -> pd.DataFrame:
     return frame
 
 
-def build(layout: Layout, frame: pd.DataFrame, expected: int) -> pd.DataFrame:
-    """The table as text: row label columns, flag columns, then per column ours/paper/Δ."""
+def build(layout: Layout, frame: pd.DataFrame, default_seed: int = 0) -> pd.DataFrame:
+    """The table as text: row label columns, flag columns, then per column ours/paper/Δ.
+
+    A cell that no sweep of the preset makes shows ``n/a``; rows and columns of such cells
+    only are left out.
+    """
     frame = with_metrics(frame, layout)
     rows, cols = combos(layout.rows), combos(layout.columns)
-    if layout.not_run:
-        cols = [c for c in cols if not all(layout.not_run({**r, **c}) for r in rows)]
-        rows = [r for r in rows if not all(layout.not_run({**r, **c}) for c in cols)]
+
+    def expected(keys: Mapping[str, Any]) -> int:
+        return expected_runs(layout, keys, default_seed)
+
+    cols = [c for c in cols if any(expected({**r, **c}) for r in rows)]
+    rows = [r for r in rows if any(expected({**r, **c}) for c in cols)]
     lines: list[dict[str, str]] = []
     baseline: dict[str, tuple[float, float]] = {}
     for row in rows:
         line = {a.name: a.label(row[a.key]) for a in layout.rows}
-        line |= {flag: "x" if marks.get(row[layout.rows[0].key]) else "" for flag, marks in layout.flags.items()}
+        line |= {flag: "x" if any(same(v, row[layout.rows[0].key]) for v in marked) else ""
+                 for flag, marked in layout.flags.items()}
         improv = {name: "" for name in line} | {layout.rows[0].name: "Improv."}
         means: dict[str, tuple[float, float]] = {}
         for col, metric in itertools.product(cols, layout.metrics):
             name, keys = column_name(layout, col, metric), {**row, **col}
             paper = paper_value(layout, keys, metric)
-            ours = Cell() if layout.not_run and layout.not_run(keys) else cell(frame, layout, keys, METRICS[metric], expected)
-            line[name] = "n/a" if layout.not_run and layout.not_run(keys) else ours.text(layout.tune_name)
+            ours = cell(frame, layout, keys, METRICS[metric], expected(keys)) if expected(keys) else Cell()
+            line[name] = ours.text(layout.tune_name) if expected(keys) else "n/a"
             means[name] = (ours.mean, paper[0] if paper else math.nan)
             improv[name] = fmt_diff(ours.mean, baseline[name][0]) if baseline else ""
             if layout.paper:
@@ -221,13 +207,10 @@ def render(table: pd.DataFrame, fmt: str, title: str) -> str:
     raise unknown_choice("format", fmt, FORMATS)
 
 
-def table_text(name: str, results: Path, expected: int, fmt: str = "markdown") -> str:
-    """The rendered table of preset ``name`` from the summaries under ``results``."""
-    if name not in LAYOUTS:
-        raise unknown_choice("table", name, LAYOUTS)
-    layout = LAYOUTS[name]
-    table = build(layout, load_summaries(results), expected)
-    return render(table, fmt, f"{layout.title} ({results})")
+def table_text(p: Preset, results: Path, fmt: str = "markdown") -> str:
+    """The rendered table of preset ``p`` from the summaries under ``results``."""
+    table = build(p.layout, load_summaries(results), int(p.cfg.trainer.seed))
+    return render(table, fmt, f"{p.layout.title} ({results})")
 
 
 def command(args: list[str]) -> None:
@@ -239,5 +222,5 @@ def text_for(args: list[str]) -> str:
     """The table the command line asks for."""
     usage = "bnexp table <paper>/<name> [results=DIR] [format=markdown|latex|csv] [scale=full|quick]"
     name, options, overrides = parse_command(args, usage, {"results": "", "format": "markdown", "scale": "full"})
-    p = plan(name, options["scale"], overrides)
-    return table_text(name, Path(options["results"] or p.results_dir), len(p.seeds), options["format"])
+    p = load_preset(name, options["scale"], overrides)
+    return table_text(p, Path(options["results"] or p.results_dir), options["format"])

@@ -26,9 +26,9 @@ import pandas as pd
 from bnexp.commands import exit_on_error, split_options
 from bnexp.errors import ConfigError, unknown_choice
 from bnexp.probes.callback import read_probes
-from bnexp.probes.lrsearch import at_chance
 from bnexp.report.results import load_summaries
-from bnexp.report.table import largest_stable, select
+from bnexp.report.stability import at_chance, largest_stable
+from bnexp.report.table import select
 
 SCALES = ("full", "quick")
 DIGITS = ("data=digits", "data.image_size=8", "trainer.checkpoint_every=10")
@@ -192,7 +192,7 @@ def judge_lr(frame: pd.DataFrame) -> list[Finding]:
         runs = select(frame, {"tags.method": method})
         if runs.empty:
             return [Finding("largest stable lr: none < mean removal <= l2 division <= CBN", "", "", NOT_RUN)]
-        best = largest_stable(runs, "optim.lr", "final_top1")
+        best = largest_stable(runs, "optim.lr")
         found[method] = 0.0 if best is None else float(best)
     order = [found[m] for m in LR_METHODS]
     ok = order[0] < order[1] <= order[2] <= order[3]
@@ -283,21 +283,21 @@ class Claim:
 
 
 def _bnp(norm: str, batch: int, lr: float) -> Arm:
-    return Arm("bnp/fc", (*BNP_DIGITS, "dataset=mnist", f"norm={norm}", f"trainer.batch_size={batch}",
+    return Arm("bnp/fc", (*BNP_DIGITS, "paper_data=mnist", f"norm={norm}", f"trainer.batch_size={batch}",
                           f"optim.lr={lr:g}"), seeds=(0, 1))
 
 
 ACTS3 = "act=sigmoid,tanh,relu"
 CLAIMS: dict[str, Claim] = {c.name: c for c in (
     Claim("cbn", "CBN Table 1 (ResNet-20)",
-          (Arm("cbn/table1", (*CBN_DIGITS, "cbn_row=r1,r2_rho1", ACTS3)),), judge_cbn),
+          (Arm("cbn/table1", (*CBN_DIGITS, "cbn_row=r1,r2", "norm.rho=1.0", ACTS3)),), judge_cbn),
     Claim("popnorm", "POP-Norm Table 1 (ResNet-20)",
-          (Arm("popnorm/table1", (*POPNORM_DIGITS, "model=resnet20", "dataset=cifar10", "act=sigmoid",
+          (Arm("popnorm/table1", (*POPNORM_DIGITS, "model=resnet20", "paper_data=cifar10", "act=sigmoid",
                                   "norm=bn,popnorm")),), judge_popnorm),
     Claim("forms", "METHODS.md section 1 (ResNet-20, sigmoid, lr 0.1)",
-          (Arm("cbn/table1", (*CBN_DIGITS, "cbn_row=r2_rho1", "act=sigmoid", "norm.join=after_act,before_act",
-                              "norm.classifier=true,false"), seeds=(0,)),
-           Arm("popnorm/table1", (*POPNORM_DIGITS, "model=resnet20", "dataset=cifar10", "act=sigmoid", "norm=popnorm",
+          (Arm("cbn/table1", (*CBN_DIGITS, "cbn_row=r2", "norm.rho=1.0", "act=sigmoid",
+                              "norm.join=after_act,before_act", "norm.classifier=true,false"), seeds=(0,)),
+           Arm("popnorm/table1", (*POPNORM_DIGITS, "model=resnet20", "paper_data=cifar10", "act=sigmoid", "norm=popnorm",
                                   "norm.join=after_act,before_act", "norm.classifier=true,false"), seeds=(0,))),
           judge_forms),
     Claim("lr", "CBN Table 6 (ResNet-20, ReLU)",
@@ -341,7 +341,7 @@ def arm_overrides(arm: Arm, folder: Path, scale: str, jobs: int, extra: Sequence
 
 def run_claim(claim: Claim, out: Path, scale: str, jobs: int, extra: Sequence[str]) -> list[Finding]:
     """Train (or reuse) every arm of ``claim`` under ``out/<name>`` and judge the runs."""
-    from bnexp.cli import multirun
+    from bnexp.app import multirun
 
     folder = out / claim.name
     for arm in claim.arms:

@@ -16,7 +16,7 @@ import pandas as pd
 
 from bnexp.probes.callback import enable_probe, read_probes
 from bnexp.probes.plot import draw_hessian
-from bnexp.probes.runs import compose_config, list_option, run_command, run_or_reuse
+from bnexp.studies.runs import compose_config, list_option, run_command, run_or_reuse
 
 PRESET = "experiment=bnp/hessian"
 OPTIONS = {"norms": "[none,bnp]", "out": "results/hessian"}

@@ -22,9 +22,10 @@ from typing import Any, Mapping
 
 import pandas as pd
 
-from bnexp.errors import ConfigError, unknown_choice
-from bnexp.probes.callback import enable_probe, read_probes
-from bnexp.probes.runs import compose_config, list_option, run_command, run_or_reuse
+from bnexp.errors import unknown_choice
+from bnexp.probes.callback import enable_probe
+from bnexp.report.stability import collapsed, largest_stable, loss_endpoints, recorded_classes
+from bnexp.studies.runs import compose_config, list_option, run_command, run_or_reuse
 
 PRESET = "experiment=cbn/table6"
 OPTIONS = {
@@ -54,41 +55,6 @@ class Candidate:
         return out / self.method / self.act / f"lr={self.lr:g},seed={self.seed}"
 
 
-def loss_endpoints(run_dir: Path) -> tuple[float, float]:
-    """The ``loss`` probe's values at step 0 and on the final weights (NaN when missing)."""
-    rows = read_probes(run_dir).query("probe == 'loss'").sort_values("step")
-    if rows.empty or rows["step"].iloc[0] != 0:
-        return math.nan, math.nan
-    return float(rows["value"].iloc[0]), float(rows["value"].iloc[-1])
-
-
-CHANCE_LOSS_BAND = 0.05  # a final loss no more than 5% below ln(classes) ...
-CHANCE_TOP1_FACTOR = 2.0  # ... with a test top-1 below twice the guessing rate: collapsed to chance
-
-
-def at_chance(final: float, top1: float, classes: int) -> bool:
-    """The run predicts no better than a constant: its final loss has not gone below
-    ln(classes), what a uniform prediction scores (a confident constant scores more), and its
-    test top-1 is below twice the rate of guessing."""
-    return final >= (1 - CHANCE_LOSS_BAND) * math.log(classes) and top1 < CHANCE_TOP1_FACTOR * 100 / classes
-
-
-def recorded_classes(summary: Mapping[str, Any], run_dir: Path) -> int:
-    """The number of classes a run's summary.json records (the collapse rule needs it)."""
-    classes = summary.get("num_classes")
-    if classes is None or classes != classes:  # missing, or NaN in a frame of summaries
-        raise ConfigError(f"{run_dir}/summary.json does not record num_classes, which the stability rule needs "
-                          "(made by an older bnexp): train it again with trainer.resume=never")
-    return int(classes)
-
-
-def collapsed(status: str, initial: float, final: float, top1: float, classes: int) -> bool:
-    """A diverged run (non-finite training loss), a final loss not below the initial one, or
-    a run that collapsed to chance (:func:`at_chance`; its loss can still be below a large
-    initial loss)."""
-    return status != "completed" or not (math.isfinite(final) and final < initial) or at_chance(final, top1, classes)
-
-
 def run_candidate(candidate: Candidate, overrides: list[str], out: Path) -> dict[str, Any]:
     """Train (or reuse) one candidate and return its row of the search."""
     cfg = compose_config([PRESET, *overrides, *candidate.overrides()])
@@ -109,8 +75,8 @@ def max_stable(runs: pd.DataFrame) -> pd.DataFrame:
     """Per (method, act): the largest lr none of whose runs collapsed, and the test top-1 there."""
     rows = []
     for (method, act), group in runs.groupby(["method", "act"], sort=False):
-        stable = [lr for lr, at in group.groupby("lr") if not at["collapsed"].any()]
-        lr = max(stable) if stable else math.nan
+        lr = largest_stable(group, "lr")
+        lr = math.nan if lr is None else lr
         acc = group.loc[group["lr"] == lr, "test_acc"]
         rows.append({"method": method, "act": act, "max_stable_lr": lr, "test_acc": acc.mean(),
                      "test_acc_std": acc.std(), "seeds": len(acc)})

@@ -13,7 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 from bnexp.commands import exit_on_error, split_options
 from bnexp.config import check_published_lr, lr_not_applicable
 from bnexp.errors import ConfigError
-from bnexp.report.presets import hydra_session, skip_reason
+from bnexp.report.presets import hydra_session
+from bnexp.sweep import skip_reason
 
 T = TypeVar("T")
 
@@ -44,7 +45,7 @@ def run_or_reuse(cfg: DictConfig, run_dir: Path) -> tuple[dict[str, Any], bool]:
     """Train ``cfg`` in ``run_dir`` unless a finished run of the same config is there.
 
     Returns the run's summary and whether it was reused. As in a sweep
-    (:func:`bnexp.report.presets.skip_reason`), a completed or diverged run is reused unless
+    (:func:`bnexp.sweep.skip_reason`), a completed or diverged run is reused unless
     ``trainer.resume=never``, and an unfinished one resumes from its checkpoint. A directory
     holding another config is an error (the study's results would mix two settings).
     """

@@ -1,0 +1,56 @@
+"""bnexp's Hydra sweeper plugin (``hydra/sweeper=bnexp``, the default of ``bnexp train -m``).
+
+Hydra loads plugins only from the ``hydra_plugins`` package; which jobs a multirun makes is
+:func:`bnexp.sweep.expand`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+from bnexp.sweep import Sweep, expand
+
+
+class BnexpSweeper(Sweeper):
+    """Hydra's basic sweeper over the union of several sweeps (configs/hydra/sweeper/bnexp.yaml).
+
+    ``report`` is not used here: it describes the preset's table for ``bnexp table``.
+    """
+
+    def __init__(self, max_batch_size: Optional[int] = None, sweeps: Optional[Sequence[Sweep]] = None,
+                 params: Optional[Sweep] = None, report: Optional[Mapping[str, Any]] = None) -> None:
+        super().__init__()
+        self.max_batch_size = max_batch_size
+        self.sweeps = [dict(s) for s in OmegaConf.to_container(OmegaConf.create(list(sweeps or [])))]
+        self.params = dict(params or {})
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.hydra_context = hydra_context
+        self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
+                                                                task_function=task_function, config=config)
+
+    def sweep(self, arguments: list[str]) -> Any:
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        jobs = expand(self.sweeps, self.params, arguments, parser)
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        size = self.max_batch_size or max(1, len(jobs))
+        returns = []
+        for start in range(0, len(jobs), size):
+            batch = jobs[start : start + size]
+            self.validate_batch_is_legal(batch)
+            results = self.launcher.launch(batch, initial_job_idx=start)
+            for result in results:
+                _ = result.return_value  # raises if the job raised
+            returns.append(results)
+        return returns
