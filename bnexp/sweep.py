@@ -1,8 +1,8 @@
 """Sweeps: which jobs a multirun makes, which of them run, and what they ended with.
 
 - :func:`expand`: the jobs of a multirun are the union of a preset's sweeps
-  (``hydra.sweeper.sweeps``), each one Hydra's cartesian product, with
-  ``hydra.sweeper.params`` and the command line applied to every sweep; the sweeper that
+  (``hydra.sweeper.sweeps``), each one Hydra's cartesian product, after
+  ``hydra.sweeper.params`` and the command line chose among them (:func:`select`); the sweeper that
   runs them (``hydra/sweeper=bnexp``, the default of ``bnexp train -m``) is the plugin
   ``hydra_plugins.bnexp_sweeper``, where Hydra requires plugins to live;
 - :func:`skip_reason`: a job whose run finished already (or whose paper lr is N/A) is not
@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -31,7 +30,8 @@ from omegaconf import DictConfig
 from bnexp.config import lr_not_applicable
 from bnexp.errors import ConfigError
 
-Sweep = Mapping[str, Any]  # one sweep: config key or group -> value(s) in override syntax
+Sweep = Mapping[str, Any]  # one sweep as a preset writes it: key -> value(s) in override syntax
+Values = dict[str, list[str]]  # one sweep parsed: key -> its values
 Job = list[str]  # one job's overrides, "key=value"
 
 
@@ -40,31 +40,77 @@ def sweep_lines(sweep: Optional[Sweep]) -> list[str]:
     return [f"{key}={value}" for key, value in (sweep or {}).items()]
 
 
-def product(overrides: Sequence[Override]) -> list[Job]:
-    """The jobs of one sweep, as Hydra's basic sweeper makes them: each key once (a later
-    override replaces an earlier one), a discrete sweep (``a,b``, ``range(n)``) expanded."""
-    by_key: dict[str, list[str]] = {}
-    for override in overrides:
+def parse_values(lines: Sequence[str], parser: OverridesParser) -> Values:
+    """Each key's values in override lines, a later line for a key replacing an earlier one:
+    ``["act=relu,tanh", "trainer.seed=range(2)"]`` -> ``{"act": ["relu", "tanh"], ...}``."""
+    found: Values = {}
+    for override in parser.parse_overrides(list(lines)):
         key = override.get_key_element()
         if not override.is_sweep_override():
-            by_key[key] = [f"{key}={override.get_value_element_as_str()}"]
+            found[key] = [override.get_value_element_as_str()]
         elif override.is_discrete_sweep():
-            by_key[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+            found[key] = list(override.sweep_string_iterator())
         else:
             raise ConfigError(f"{override.input_line}: bnexp's sweeper takes value lists and range(); an interval "
                               "search needs a search sweeper (hydra/sweeper=optuna)")
-    return [list(job) for job in itertools.product(*by_key.values())]
+    return found
+
+
+def _bare(key: str) -> str:
+    return key.lstrip("+~")
+
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a == b
+
+
+def select(sweeps: Sequence[Values], given: Values) -> list[Values]:
+    """A preset's sweeps with command-line values applied.
+
+    A key that some sweeps set is a choice among them: each of those sweeps keeps the given
+    values it has, plus any given value that no sweep has (a seed beyond the preset's range,
+    say); a sweep left with none is dropped. ``cbn_row=r1`` thus runs row 1 of the untuned
+    sweep and drops the tuned one, and ``norm.rho=1.0,2.0`` shrinks the rho grid without
+    giving the untuned rows a rho. A key no sweep sets applies to every sweep.
+    """
+    chosen = [dict(sweep) for sweep in sweeps]
+    for key, values in given.items():
+        holders = [(sweep, k) for sweep in chosen for k in sweep if _bare(k) == _bare(key)]
+        if not holders:
+            for sweep in chosen:
+                sweep[key] = list(values)
+            continue
+        known = [v for sweep, k in holders for v in sweep[k]]
+        extra = [v for v in values if not any(_same(v, k) for k in known)]
+        for sweep, k in holders:
+            sweep[k] = [v for v in values if any(_same(v, w) for w in sweep[k])] + extra
+        chosen = [sweep for sweep in chosen if all(sweep[k] for k in sweep if _bare(k) == _bare(key))]
+    return chosen
+
+
+def product(sweep: Values) -> list[Job]:
+    """The jobs of one sweep: every combination of its keys' values."""
+    return [[f"{key}={value}" for key, value in zip(sweep, combo)] for combo in itertools.product(*sweep.values())]
 
 
 def expand(sweeps: Sequence[Sweep], params: Optional[Sweep], arguments: Sequence[str],
            parser: OverridesParser) -> list[Job]:
-    """The jobs of a multirun: for each sweep (one empty sweep when there are none), the
-    product of the sweep, then ``params``, then ``arguments`` (the command line); the union
-    over the sweeps, a job that several sweeps make only once, in order."""
+    """The jobs of a multirun: the preset's sweeps (one empty sweep when there are none) with
+    ``params`` and then the command line's ``arguments`` applied (:func:`select`), each
+    expanded; the union, a job that several sweeps make only once, in order."""
+    given = parse_values([*sweep_lines(params), *arguments], parser)
+    return union(select([parse_values(sweep_lines(s), parser) for s in sweeps or [{}]], given))
+
+
+def union(sweeps: Sequence[Values]) -> list[Job]:
+    """Every job of the sweeps, in order, a job that several sweeps make only once."""
     jobs: list[Job] = []
     seen: set[frozenset[str]] = set()
-    for sweep in sweeps or [{}]:
-        for job in product(parser.parse_overrides([*sweep_lines(sweep), *sweep_lines(params), *arguments])):
+    for sweep in sweeps:
+        for job in product(sweep):
             if frozenset(job) not in seen:
                 seen.add(frozenset(job))
                 jobs.append(job)

@@ -180,7 +180,7 @@ def test_presets_set_the_table_flags(cls, dim):
         assert cls(3, rho=0.5, amat=False).rho == 0.5
     else:
         assert not m.amat and m.rho == 4.0
-        assert cls(3, rho=2.0).rho == 2.0
+        assert cls(3, rho=2.0).rho == cls(3, kappa=2.0).rho == 2.0  # kappa: the POP-Norm paper's name
         assert not cls(3, scale=False).scale  # the ablations pass flags through
 
 

@@ -281,8 +281,10 @@ class _Preset:
     :class:`NormFamily` can still be passed (the CBN ablation rows change some)."""
 
     PRESET: dict[str, Any] = {}
+    ALIASES: dict[str, str] = {}  # a paper's name for a flag -> the flag
 
     def __init__(self, num_features: int, **kw: Any) -> None:
+        kw = {self.ALIASES.get(key, key): value for key, value in kw.items()}
         super().__init__(num_features, **{**self.PRESET, **kw})  # type: ignore[call-arg]
 
 
@@ -302,16 +304,18 @@ class CBN2d(_Preset, NormFamily2d):
 
 class POPNorm1d(_Preset, NormFamily1d):
     """POP-Norm over features: centered, scaled, decoupled, output divided by ``rho``, the
-    paper's kappa (default 4; ``norm=popnorm``)."""
+    paper's kappa (default 4; ``kappa=`` works too; ``norm=popnorm``)."""
 
     PRESET = {"decouple": True, "rho": 4.0}
+    ALIASES = {"kappa": "rho"}
 
 
 class POPNorm2d(_Preset, NormFamily2d):
     """POP-Norm over images: centered, scaled, decoupled, output divided by ``rho``, the
-    paper's kappa (default 4; ``norm=popnorm``)."""
+    paper's kappa (default 4; ``kappa=`` works too; ``norm=popnorm``)."""
 
     PRESET = {"decouple": True, "rho": 4.0}
+    ALIASES = {"kappa": "rho"}
 
 
 def set_learning_rate(model: nn.Module, lr: float) -> int:

@@ -25,7 +25,7 @@ from bnexp.commands import split_options
 from bnexp.config import config_dir, register_resolvers
 from bnexp.errors import ConfigError, unknown_choice
 from bnexp.report.layouts import Layout, layout_from
-from bnexp.sweep import Job, expand, sweep_lines
+from bnexp.sweep import Job, Values, expand, parse_values, select, sweep_lines, union
 
 SEED = "trainer.seed"
 SCALES = ("full", "quick")
@@ -65,17 +65,6 @@ def parser() -> OverridesParser:
     return OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
 
 
-def values_of(lines: Sequence[str]) -> dict[str, list[str]]:
-    """Each key's values in override lines (a later line for a key replaces an earlier one):
-    ``["act=relu,tanh", "trainer.seed=range(2)"]`` -> ``{"act": ["relu", "tanh"], ...}``."""
-    found: dict[str, list[str]] = {}
-    for override in parser().parse_overrides(list(lines)):
-        key = override.get_key_element()
-        found[key] = (list(override.sweep_string_iterator()) if override.is_sweep_override()
-                      else [override.get_value_element_as_str()])
-    return found
-
-
 @dataclass
 class Preset:
     """A preset at a scale, with the command line's extra overrides, composed once."""
@@ -86,8 +75,12 @@ class Preset:
     overrides: tuple[str, ...] = ()  # the command line's, hydra.* included
     task: tuple[str, ...] = ()  # the command line's that a job's overrides hold (no hydra.*)
     params: tuple[str, ...] = ()  # hydra.sweeper.params (scale=quick's seeds) as override lines
-    sweeps: tuple[dict[str, list[str]], ...] = ()  # each sweep's values per key, params and overrides applied
-    jobs: tuple[Job, ...] = ()  # the expanded union (reproduce's count and cost)
+    sweeps: tuple[Values, ...] = ()  # each sweep's values per key, params and overrides applied
+
+    @cached_property
+    def jobs(self) -> list[Job]:
+        """The expanded union of the sweeps (``bnexp reproduce``'s count and cost)."""
+        return union(self.sweeps)
 
     @property
     def results_dir(self) -> Path:
@@ -122,9 +115,9 @@ def load_preset(name: str, scale: str = "full", overrides: Sequence[str] = ()) -
         preset_sweeps = OmegaConf.to_container(cfg.hydra.sweeper.sweeps) or [{}]
         params = OmegaConf.to_container(cfg.hydra.sweeper.params) if cfg.hydra.sweeper.params else {}
         task = [o for o in overrides if not o.startswith(("hydra.", "hydra/"))]  # what a job's overrides hold
-        sweeps = tuple(values_of([*sweep_lines(s), *sweep_lines(params), *task]) for s in preset_sweeps)
-        jobs = tuple(expand(preset_sweeps, params, task, parser()))
-    return Preset(name, scale, cfg, tuple(overrides), tuple(task), tuple(sweep_lines(params)), sweeps, jobs)
+        given = parse_values([*sweep_lines(params), *task], parser())
+        sweeps = tuple(select([parse_values(sweep_lines(s), parser()) for s in preset_sweeps], given))
+    return Preset(name, scale, cfg, tuple(overrides), tuple(task), tuple(sweep_lines(params)), sweeps)
 
 
 def count(p: Preset, sweeps: Sequence[Sequence[str]]) -> int:
