@@ -1,12 +1,17 @@
-"""Atomic checkpoints, RNG capture and the search for the newest readable checkpoint.
+"""Atomic, checksummed checkpoints, RNG capture and the search for the newest valid one.
 
 Checkpoints go through :func:`bnexp.runinfo.atomic_write`, so a crash or a full disk can
-never leave a half-written file under a checkpoint's name. Periodic checkpoints live in
-``<run>/checkpoints/step-<step>.pt``; the newest ``keep`` of them are kept.
+never leave a half-written file under a checkpoint's name. Beside each one, a
+``<name>.sha256`` file (``sha256sum`` format, so ``sha256sum -c`` checks it too) holds the
+digest of its bytes; loading verifies it, so a flipped bit is an error, not a silent drift.
+Periodic checkpoints live in ``<run>/checkpoints/step-<step>.pt``; the newest ``keep`` of
+them are kept.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
 import random
 import re
@@ -21,14 +26,26 @@ from bnexp.runinfo import atomic_write
 log = logging.getLogger("bnexp.checkpoint")
 
 CHECKPOINT_DIR = "checkpoints"
+FINAL = "checkpoint.pt"  # a completed run's final state, in its directory
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "rng")
 _STEP_FILE = re.compile(r"step-(\d+)\.pt$")
 
 
+def checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
 def save(payload: dict[str, Any], path: Path) -> None:
-    """``torch.save`` through :func:`atomic_write`."""
+    """``torch.save`` through :func:`atomic_write`, then the digest file beside it. A failure
+    between the two leaves a checkpoint whose digest does not match: it counts as damaged."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda f: torch.save(payload, f))
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    checksum_path(path).unlink(missing_ok=True)
+    atomic_write(path, lambda f: f.write(data))
+    line = f"{hashlib.sha256(data).hexdigest()}  {path.name}\n"
+    atomic_write(checksum_path(path), lambda f: f.write(line.encode()))
 
 
 def capture_rng() -> dict[str, Any]:
@@ -62,12 +79,38 @@ def prune(run_dir: Path, keep: int) -> None:
     """Delete all but the newest ``keep`` periodic checkpoints."""
     for old in periodic_checkpoints(run_dir)[keep:]:
         old.unlink(missing_ok=True)
+        checksum_path(old).unlink(missing_ok=True)
+    folder = run_dir / CHECKPOINT_DIR
+    if keep == 0 and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
 
 
-def load(path: Path) -> dict[str, Any]:
-    """Read a checkpoint; ValueError if it is unreadable or lacks a required entry."""
+def verified_bytes(path: Path, require_checksum: bool = True) -> bytes:
+    """A checkpoint's bytes, checked against its digest file; ValueError if they differ, or
+    if the digest file is missing and ``require_checksum`` (else a warning)."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
+        data = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"unreadable checkpoint {path}: {err}") from err
+    try:
+        expected = checksum_path(path).read_text().split()[0]
+    except (OSError, IndexError):
+        if require_checksum:
+            raise ValueError(f"damaged checkpoint {path}: its checksum file {checksum_path(path).name} is missing")
+        log.warning("%s has no checksum file: loading it unverified", path)
+        return data
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected:
+        raise ValueError(f"damaged checkpoint {path}: its sha256 is {actual[:12]}..., its checksum file says "
+                         f"{expected[:12]}...")
+    return data
+
+
+def load(path: Path, require_checksum: bool = True) -> dict[str, Any]:
+    """Read a checkpoint; ValueError if it is damaged, unreadable or lacks a required entry."""
+    data = verified_bytes(path, require_checksum)
+    try:
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as err:
         raise ValueError(f"unreadable checkpoint {path}: {type(err).__name__}: {err}") from err
     missing = [k for k in REQUIRED_KEYS if not isinstance(payload, dict) or k not in payload]

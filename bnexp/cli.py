@@ -17,10 +17,11 @@ from bnexp.errors import EXIT_CONFIG
 USAGE = """usage: bnexp <command> [args]
 
 commands:
-  train      train one model, or sweep with -m (Hydra overrides: model=resnet20 norm=bn ...)
-  reproduce  run a paper preset's sweep, then print its table: bnexp reproduce cbn/table1 [scale=quick]
-  table      a preset's results in the paper's layout: bnexp table cbn/table1 [results=DIR] [format=latex]
-  plot       a preset's loss / accuracy curves: bnexp plot cbn/table1 [results=DIR] [out=DIR]
+  train      train one model, or sweep with -m (Hydra overrides: model=resnet20 norm=bn ...); -m --dry-run lists the cells
+  reproduce  run a paper preset's sweep, then print its table: bnexp reproduce cbn/table1 [scale=quick] [dry_run=true]
+  table      a preset's results in the paper's layout: bnexp table cbn/table1 [results=DIR] [format=latex],
+             or any sweep folder: bnexp table DIR [rows=KEY] [cols=KEY] [metric=top1|best_top1|top5]
+  plot       loss / accuracy curves: bnexp plot cbn/table1 [results=DIR] [out=DIR], or bnexp plot DIR [out=DIR]
   bench      speed: bnexp bench norms|step|data|run [reps=5] [out=FILE.json] (docs/benchmarks.md)
   lrsearch   largest stable lr per method (CBN Table 6): bnexp lrsearch [methods=[none,cbn]] [acts=[relu]] [lrs=[...]] [out=DIR]
   hessian    Hessian condition numbers in training (BNP Fig. 8): bnexp hessian [norms=[none,bnp]] [out=DIR]

@@ -4,7 +4,9 @@
 EXIT_CONFIG = 2
 EXIT_DATA_UNAVAILABLE = 3
 EXIT_FAILED = 1
+EXIT_LOCKED = 4  # another process is writing to the run directory
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on a signal after a checkpoint; re-run to resume
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), after a checkpoint; re-run to resume
 
 
 class BnexpError(Exception):

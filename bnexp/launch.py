@@ -1,10 +1,11 @@
 """``trainer.nproc=K``: run one training job as K processes through torchrun.
 
 The Hydra job that receives ``trainer.nproc > 1`` outside torchrun owns the run directory
-(Hydra has already written its config there); it starts
+(it holds the directory's lock and has written its config there); it starts
 ``python -m torch.distributed.run --standalone --nproc_per_node=K -m bnexp train ...`` with
 the same overrides and that directory, and waits. Inside torchrun, every rank composes
-the same config; ranks other than 0 write nothing (see :func:`rank_overrides`).
+the same config under the launcher's lock; ranks other than 0 write nothing (see
+:func:`rank_overrides`).
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ import sys
 from pathlib import Path
 
 from bnexp.preemption import PreemptionGuard
+from bnexp.runlock import HELD_ENV, LOCK_NAME
 
 
 def rank_overrides() -> list[str]:
-    """Extra Hydra overrides for a process started by torchrun: ranks above 0 save no
-    .hydra/ folder and log nothing, so the run directory has one writer."""
+    """Extra Hydra overrides for a process started by torchrun: ranks above 0 log nothing
+    (and, like every rank but 0, write nothing), so the run directory has one writer."""
     if int(os.environ.get("RANK", "0")) == 0:
         return []
-    return ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    return ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
 
 
 def torchrun_command(nproc: int, overrides: list[str], run_dir: Path) -> list[str]:
@@ -41,7 +43,8 @@ def run_under_torchrun(nproc: int, overrides: list[str], run_dir: Path) -> int:
     hands to every rank: they checkpoint at the same step and stop. The handler installed
     before bnexp's (submitit's requeue) then runs here, once the checkpoint is on disk.
     """
-    child = subprocess.Popen(torchrun_command(nproc, overrides, run_dir))
+    env = {**os.environ, HELD_ENV: str((run_dir / LOCK_NAME).resolve())}  # the ranks run under this process's lock
+    child = subprocess.Popen(torchrun_command(nproc, overrides, run_dir), env=env)
     with PreemptionGuard(on_signal=lambda _: child.send_signal(signal.SIGTERM)) as guard:
         code = child.wait()
         guard.forward()

@@ -72,9 +72,17 @@ def batch_norm(family: type[nn.Module], torch_bn: type[nn.modules.batchnorm._Bat
 
 
 def group_norm(num_features: int, groups: int = 4, eps: float = 1e-5) -> nn.Module:
-    """GroupNorm with ``groups`` groups; where they do not divide the channels (the 3 image
-    channels in front of a before_op stem) the largest common divisor."""
-    return nn.GroupNorm(math.gcd(int(groups), num_features), num_features, eps=eps)
+    """GroupNorm with ``groups`` groups, which must divide the channels (see
+    :meth:`NormSpec.make` for the input images in front of a ``before_op`` stem)."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"groups={groups!r} is not valid: norm.groups must be an integer >= 1")
+    if num_features % groups:
+        raise ChannelsError(f"groups={groups} does not divide the {num_features} channels of a normalized layer")
+    return nn.GroupNorm(groups, num_features, eps=eps)
+
+
+class ChannelsError(ValueError):
+    """A normalization's options do not fit a layer's channel count (GN groups)."""
 
 
 def layer_norm_images(num_features: int, eps: float = 1e-5) -> nn.Module:
@@ -146,11 +154,20 @@ class NormSpec:
         """Whether the final Linear gets a normalization in front (before_op with norm.classifier)."""
         return self.enabled and self.placement == BEFORE_OP and self.classifier
 
-    def make(self, num_features: int, dim: int) -> nn.Module:
-        """A normalization over ``num_features`` channels, or Identity when disabled."""
+    def make(self, num_features: int, dim: int, image_input: bool = False) -> nn.Module:
+        """A normalization over ``num_features`` channels, or Identity when disabled.
+
+        ``image_input``: it normalizes the input images (``before_op``, in front of the stem),
+        whose channel count (3, or 1 for MNIST) no group count of the other layers divides:
+        there ``norm.groups`` becomes ``gcd(groups, channels)``, the one exception to the rule
+        that the groups divide every layer's channels.
+        """
         if self.layer is None:
             return nn.Identity()
-        return create_norm(self.layer, num_features, dim, **self.options)
+        options = dict(self.options)
+        if image_input and isinstance(options.get("groups"), int) and options["groups"] >= 1:
+            options["groups"] = math.gcd(options["groups"], num_features)
+        return create_norm(self.layer, num_features, dim, **options)
 
 
 def build_norm_spec(cfg: Mapping[str, Any]) -> NormSpec:
@@ -169,6 +186,8 @@ def build_norm_spec(cfg: Mapping[str, Any]) -> NormSpec:
     if layer is not None:
         try:
             create_norm(layer, 4, 2, **options)
+        except ChannelsError:  # the options are valid; whether they fit the model's layers is checked as it is built
+            pass
         except (TypeError, ValueError) as err:
             raise ConfigError(f"norm={cfg.get('name', layer)} (layer {layer}): norm.{err}") from None
     op_bias = cfg.get("op_bias")

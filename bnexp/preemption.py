@@ -1,10 +1,12 @@
-"""Turning SIGTERM / SIGUSR1 / SIGUSR2 into "checkpoint at the next step, then stop".
+"""Turning SIGTERM / SIGUSR1 / SIGUSR2 / SIGINT into "checkpoint at the next step, then stop".
 
 Cluster schedulers warn a job before they preempt it (SLURM sends SIGTERM, or the signal
-set with ``--signal``; submitit asks for SIGUSR2). While a run trains, these signals only
-set a flag; the loop checks it after each step, writes a checkpoint and raises
-:class:`Preempted`. A handler installed before bnexp's (submitit's requeue handler, for
-one) is called after the checkpoint is safely on disk.
+set with ``--signal``; submitit asks for SIGUSR2), and a user stops a run with Ctrl-C
+(SIGINT). While a run trains, these signals only set a flag; the loop checks it after each
+step, writes a checkpoint and raises :class:`Preempted` (status ``preempted``, exit 75; after
+Ctrl-C: ``interrupted``, exit 130). A second Ctrl-C stops at once (KeyboardInterrupt). A
+handler installed before bnexp's (submitit's requeue handler, for one) is called after the
+checkpoint is safely on disk.
 """
 
 from __future__ import annotations
@@ -15,19 +17,20 @@ from types import FrameType
 from typing import Any, Callable
 
 from bnexp.distributed import max_over_ranks
-from bnexp.errors import EXIT_PREEMPTED
+from bnexp.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
 
 class Preempted(Exception):
     """The run stopped on a signal after writing a checkpoint; re-run to resume."""
 
-    exit_code = EXIT_PREEMPTED
-
     def __init__(self, signum: int) -> None:
-        super().__init__(f"stopped by {signal.Signals(signum).name} after writing a checkpoint")
+        name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
+        super().__init__(f"stopped by {name} after writing a checkpoint")
         self.signum = signum
+        self.status = "interrupted" if signum == signal.SIGINT else "preempted"
+        self.exit_code = EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
 
 
 class PreemptionGuard:
@@ -43,6 +46,8 @@ class PreemptionGuard:
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
         if self.signum is None:
             self.signum = signum
             if self.on_signal is not None:
@@ -68,5 +73,5 @@ class PreemptionGuard:
     def forward(self) -> None:
         """Call the handler that was installed before ours for the received signal."""
         previous = self._previous.get(self.signum) if self.signum is not None else None
-        if callable(previous):
+        if callable(previous) and previous is not signal.default_int_handler:  # that one raises KeyboardInterrupt
             previous(self.signum, None)

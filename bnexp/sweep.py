@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from bnexp.config import lr_not_applicable
-from bnexp.errors import ConfigError
+from bnexp.checkpoint import FINAL, verified_bytes
+from bnexp.errors import EXIT_FAILED, ConfigError
+from bnexp.identity import differences, fingerprint, run_name
 
 Sweep = Mapping[str, Any]  # one sweep as a preset writes it: key -> value(s) in override syntax
 Values = dict[str, list[str]]  # one sweep parsed: key -> its values
@@ -123,19 +124,51 @@ FINISHED = ("completed", "diverged")
 
 
 def skip_reason(cfg: DictConfig, run_dir: Path) -> Optional[str]:
-    """Why a job should not train: N/A in the paper, or already completed or diverged."""
+    """Why a job should not train: N/A in the paper, or already completed or diverged with
+    these settings. A finished run with other settings is a ConfigError naming what differs."""
     if lr_not_applicable(cfg):
         return "the paper lists no learning rate for this cell (N/A)"
-    summary = run_dir / "summary.json"
-    if str(cfg.trainer.get("resume", "auto")) == "never" or not summary.is_file():
+    if str(cfg.trainer.get("resume", "auto")) == "never":
         return None
     try:
-        status = json.loads(summary.read_text()).get("status")
+        summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
         return None
-    if status in FINISHED:
-        return f"already {status} (trainer.resume=never runs it again)"
-    return None
+    status = summary.get("status")
+    if status not in FINISHED:
+        return None
+    there = summary.get("config") or {}
+    if fingerprint(there) != fingerprint(cfg):
+        raise ConfigError(f"{run_dir} holds a run {status} with other settings ({differences(there, cfg)}); "
+                          "nothing was changed there. Run with trainer.resume=never to replace it, or choose "
+                          "another directory (hydra.run.dir=... / hydra.sweep.dir=...)")
+    return f"already {status} (trainer.resume=never runs it again){final_checkpoint_note(run_dir, summary)}"
+
+
+def final_checkpoint_note(run_dir: Path, summary: Mapping[str, Any]) -> str:
+    """A warning, when a completed run's final checkpoint is missing or damaged (its
+    metrics and summary stand; only its final weights are lost)."""
+    if summary.get("status") != "completed":
+        return ""
+    path = run_dir / FINAL
+    try:
+        verified_bytes(path)
+    except ValueError as err:
+        errors = "; ".join(summary.get("checkpoint_errors", [])[-1:])
+        why = f"it could not be written ({errors})" if errors and not path.exists() else str(err)
+        return (f"; WARNING: its final checkpoint is unusable: {why}. Its metrics and summary stand; "
+                "trainer.resume=never trains it again")
+    return ""
+
+
+def describe_jobs(jobs: Sequence[Job], sweep_dir: Path) -> str:
+    """A sweep's jobs, one line each: the run directory, its status if it has run, the overrides."""
+    lines = [f"{len(jobs)} jobs in {sweep_dir}:"]
+    for job in jobs:
+        run_dir = sweep_dir / run_name(job)
+        status = job_status(run_dir)[0] if (run_dir / "summary.json").is_file() else "to run"
+        lines.append(f"  {run_dir}  [{status}]  {' '.join(job)}")
+    return "\n".join(lines)
 
 
 def spread_over_gpus(job_num: int) -> None:
@@ -148,6 +181,10 @@ def spread_over_gpus(job_num: int) -> None:
 
 LEDGER_ENV = "BNEXP_SWEEP_LEDGER"
 STATUSES = ("completed", "diverged", "failed", "skipped")
+# Outcomes that leave a cell's result on disk: a sweep of only these exits 0. Diverged is a
+# result (the paper's "collapsed"); failed, locked (running elsewhere), interrupted and
+# preempted cells are not done.
+DONE = ("completed", "diverged", "skipped")
 
 
 def job_status(run_dir: Path) -> tuple[str, str | None]:
@@ -159,44 +196,63 @@ def job_status(run_dir: Path) -> tuple[str, str | None]:
     return summary.get("status", "failed"), summary.get("error")
 
 
-def format_report(entries: list[dict[str, Any]]) -> str:
-    """Counts per status, then one line per failed cell with its error and directory."""
+def record(run_dir: Path, status: str, error: Optional[str] = None) -> None:
+    """Append one job's outcome to the running sweep's ledger (nothing outside a sweep)."""
+    _append({"dir": str(run_dir), "status": status, "error": error})
+
+
+def plan(count: int) -> None:
+    """Note in the ledger how many cells the sweep will run (for a sweep stopped early)."""
+    _append({"planned": count})
+
+
+def _append(entry: dict[str, Any]) -> None:
+    """One line of the running sweep's ledger; the sweep folder is made on the first line
+    (a dry run makes none)."""
+    ledger = os.environ.get(LEDGER_ENV)
+    if ledger:
+        Path(ledger).parent.mkdir(parents=True, exist_ok=True)
+        with open(ledger, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+def format_report(entries: list[dict[str, Any]], planned: Optional[int] = None, stopped: bool = False) -> str:
+    """Counts per status, then one line per cell that is not done, with its error and directory."""
     counts = Counter(e["status"] for e in entries)
     head = ", ".join(f"{counts.get(s, 0)} {s}" for s in STATUSES if s != "skipped" or counts.get(s))
     others = sorted(set(counts) - set(STATUSES))
     head += "".join(f", {counts[s]} {s}" for s in others)
-    lines = [f"sweep finished: {len(entries)} cells: {head}"]
+    if planned is not None and planned > len(entries):
+        head += f", {planned - len(entries)} not run"
+    lines = [f"sweep {'stopped' if stopped else 'finished'}: {max(planned or 0, len(entries))} cells: {head}"]
     for e in entries:
-        if e["status"] == "failed":
-            lines.append(f"  failed: {e['dir']}: {e['error']} (details in {Path(e['dir']) / 'summary.json'})")
+        if e["status"] not in DONE:
+            lines.append(f"  {e['status']}: {e['dir']}: {e['error']} (details in {Path(e['dir']) / 'train.log'})")
     return "\n".join(lines)
 
 
+def finish_report(stopped: bool = False) -> Optional[list[dict[str, Any]]]:
+    """Print the running sweep's report and close its ledger; the entries, or None outside a sweep."""
+    ledger = Path(os.environ.pop(LEDGER_ENV, ""))
+    if not ledger.name or not ledger.is_file():
+        return None
+    lines = [json.loads(line) for line in ledger.read_text().splitlines() if line.strip()]
+    ledger.unlink()
+    planned = sum(e["planned"] for e in lines if "planned" in e) or None
+    # One entry per run directory (a multi-task SLURM job reports once per task).
+    entries = list({e["dir"]: e for e in lines if "dir" in e}.values())
+    print(format_report(entries, planned, stopped), flush=True)
+    return entries
+
+
 class SweepReport(Callback):
-    """Collect each job's outcome and print the sweep's totals at its end."""
+    """Open the sweep's ledger at its start; at its end print the totals and exit non-zero
+    (after the report) when any cell is not done."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        os.environ[LEDGER_ENV] = str(sweep_dir / f".sweep-{uuid.uuid4().hex}.jsonl")
-
-    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        ledger = os.environ.get(LEDGER_ENV)
-        if not ledger:  # a single run: nothing to report
-            return
-        run_dir = Path(config.hydra.runtime.output_dir)
-        status, error = job_status(run_dir)
-        if job_return.return_value == "skipped":
-            status = "skipped"
-        with open(ledger, "a") as f:
-            f.write(json.dumps({"dir": str(run_dir), "status": status, "error": error}) + "\n")
+        os.environ[LEDGER_ENV] = str(Path(config.hydra.sweep.dir) / f".sweep-{uuid.uuid4().hex}.jsonl")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        ledger = Path(os.environ.pop(LEDGER_ENV, ""))
-        if not ledger.name or not ledger.is_file():
-            return
-        # One entry per run directory (a multi-task SLURM job reports once per task).
-        by_dir = {e["dir"]: e for e in (json.loads(line) for line in ledger.read_text().splitlines() if line.strip())}
-        entries = list(by_dir.values())
-        ledger.unlink()
-        print(format_report(entries), flush=True)
+        entries = finish_report()
+        if entries and any(e["status"] not in DONE for e in entries):
+            raise SystemExit(EXIT_FAILED)

@@ -26,12 +26,13 @@ from tqdm import tqdm
 
 from bnexp import checkpoint
 from bnexp.callbacks import Callback, TrainState
-from bnexp.config import validate
+from bnexp.config import RESUME_MODES, validate
 from bnexp.data import build_data
 from bnexp.data.loaders import build_loaders, drop_last
 from bnexp import distributed
 from bnexp.distributed import gather_objects, sum_over_ranks
 from bnexp.errors import ConfigError
+from bnexp.identity import differences, fingerprint
 from bnexp.loggers import logger_callback
 from bnexp.methods import method_callbacks
 from bnexp.models import build_model, count_parameters
@@ -160,13 +161,15 @@ class Run:
         self.started = time.perf_counter()
 
     def resume(self, mode: str) -> None:
-        """``auto``: newest valid periodic checkpoint, if any; ``never``; or a file path."""
-        run_dir = self.state.run_dir
+        """``auto``: newest valid periodic checkpoint, if any, written with this run's settings;
+        ``never``; or a file path (other settings allowed, with a warning)."""
+        run_dir, cfg = self.state.run_dir, self.state.cfg
         if mode == "never":
             return
-        if mode != "auto":
+        if mode not in RESUME_MODES:  # a file (validate checked it exists)
+            path = Path(mode)
             try:
-                found: tuple[Path, dict[str, Any]] | None = (Path(mode), checkpoint.load(Path(mode)))
+                found: tuple[Path, dict[str, Any]] | None = (path, checkpoint.load(path, require_checksum=False))
             except ValueError as err:
                 raise ConfigError(f"trainer.resume={mode}: {err}") from err
         else:
@@ -174,6 +177,13 @@ class Run:
             if found is None and checkpoint.periodic_checkpoints(run_dir):
                 log.warning("no valid checkpoint in %s: starting over", run_dir / checkpoint.CHECKPOINT_DIR)
         if found is not None:
+            written_with = found[1].get("config", {})
+            if fingerprint(written_with) != fingerprint(cfg):
+                change = differences(written_with, cfg)
+                if mode == "auto":
+                    raise ConfigError(f"{found[0]} was written by a run with other settings ({change}): run with "
+                                      "trainer.resume=never to start over in this directory, or use another one")
+                log.warning("resuming from %s, written with other settings: %s", found[0], change)
             self.restore(found[1])
             self.summary["resumed_from"] = str(found[0])
             log.info("resumed from %s at step %d", found[0], self.state.step)
@@ -184,13 +194,22 @@ class Run:
         payload = self.payload()  # every process takes part (it gathers their RNG states)
         if not self.state.dist.is_main:
             return
+        if self.save(payload, checkpoint.periodic_path(run_dir, self.state.step), "training goes on, the previous "
+                     "checkpoint intact"):
+            checkpoint.prune(run_dir, int(self.state.cfg.trainer.keep_checkpoints))
+
+    def save(self, payload: dict[str, Any], path: Path, then: str) -> bool:
+        """Write a checkpoint; a failure (a full disk, a quota, torch's zip writer) is logged
+        with ``then`` (what happens next) and recorded under ``checkpoint_errors``."""
         try:
-            checkpoint.save(payload, checkpoint.periodic_path(run_dir, self.state.step))
-        except OSError as err:
-            log.error("checkpoint at step %d failed (%s); the previous one is intact", self.state.step, err)
-            self.summary.setdefault("checkpoint_errors", []).append(f"step {self.state.step}: {err}")
-            return
-        checkpoint.prune(run_dir, int(self.state.cfg.trainer.keep_checkpoints))
+            checkpoint.save(payload, path)
+        except (OSError, RuntimeError) as err:
+            log.error("checkpoint %s at step %d could not be written (%s: %s); %s", path.name, self.state.step,
+                      type(err).__name__, err, then)
+            self.summary.setdefault("checkpoint_errors", []).append(f"step {self.state.step}, {path.name}: "
+                                                                    f"{type(err).__name__}: {err}")
+            return False
+        return True
 
     def evaluate(self, loader: DataLoader, num_classes: int, lr: float) -> None:
         train_loss, train_acc = self.meter.read()
@@ -250,6 +269,11 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
     batch_statistics = uses_batch_statistics(cfg.norm)
     loaders = build_loaders(bundle, cfg.data, batch_size, cfg.trainer.seed, device.type == "cuda", device,
                             rank=d.rank, world_size=d.world_size, drop_last=drop_last(cfg.data, batch_statistics))
+    share = -(-len(bundle.train) // d.world_size)  # training images per process
+    if batch_size > share:
+        per = f" ({share} per process)" if d.world_size > 1 else ""
+        raise ConfigError(f"trainer.batch_size={cfg.trainer.batch_size} is larger than the {len(bundle.train)} training "
+                          f"images{per}: use trainer.batch_size <= {share * d.world_size}")
     pooled = d.world_size if cfg.norm.get("sync") else 1  # norm.sync: statistics over every process's share
     if batch_statistics and loaders.sampler.smallest_batch * pooled < 2:
         raise ConfigError(f"norm={cfg.norm.name} normalizes with batch statistics, and with data.drop_last=false the "
@@ -306,9 +330,10 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
                 run.evaluate(loaders.test, bundle.spec.num_classes, lr)
             if guard.agreed():
                 run.save_periodic()
-                summary.update(status="preempted", steps=state.step, epochs=round(state.epoch, 4))
+                stop = Preempted(guard.signum)
+                summary.update(status=stop.status, steps=state.step, epochs=round(state.epoch, 4))
                 guard.forward()
-                raise Preempted(guard.signum)
+                raise stop
             if ckpt_every > 0 and state.step % ckpt_every == 0 and not last:
                 run.save_periodic()
     bar.close()
@@ -317,8 +342,8 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
     summary.update(status=status, steps=state.step, epochs=round(state.epoch, 4))
     if status == "completed":
         payload = run.payload()
-        if d.is_main:
-            checkpoint.save(payload, run_dir / "checkpoint.pt")
+        then = "the run's metrics and summary stand (status completed); its periodic checkpoints are kept"
+        if d.is_main and run.save(payload, run_dir / checkpoint.FINAL, then):
             checkpoint.prune(run_dir, 0)
     for cb in run.callbacks:
         cb.on_train_end(state, status)
@@ -331,12 +356,15 @@ def train(cfg: DictConfig, run_dir: Path, callbacks: list[Callback] | None = Non
     if main_process:
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     started = time.perf_counter()
-    summary: dict[str, Any] = {"status": "failed", **version_stamp(),
+    summary: dict[str, Any] = {"status": "failed", **version_stamp(), "fingerprint": fingerprint(cfg),
                                "config": OmegaConf.to_container(cfg, resolve=True)}
     try:
         validate(cfg)
         fit(cfg, run_dir, summary, list(callbacks or []))
     except Preempted:
+        raise
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started: no checkpoint
+        summary.update(status="interrupted", error="KeyboardInterrupt: stopped by Ctrl-C")
         raise
     except BaseException as err:
         summary.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())

@@ -121,6 +121,13 @@ def test_npz_bad_values_name_the_key(tmp_path: Path, change, extra: dict, messag
         build_data({"name": "npz", "path": str(path), **extra})
 
 
+def test_npz_that_is_not_a_zip_archive_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "set.npz"
+    path.write_text("x_train,y_train\n1,2\n")
+    with pytest.raises(DataError, match=f"{path} is not an .npz file: expected a zip archive of .npy arrays"):
+        build_data({"name": "npz", "path": str(path)})
+
+
 # ---------------------------------------------------------------- ImageFolder
 
 

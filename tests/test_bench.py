@@ -62,6 +62,8 @@ def test_bench_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (["warp"], "unknown bench subcommand 'warp'"),
     (["norms", "model.width=4"], "unknown option 'model.width'"),
     (["norms", "reps=many"], "reps='many' is not valid"),
+    (["norms", "reps=0"], "reps=0 is not valid: reps must be an integer >= 1"),
+    (["step", "warmup=-1"], "warmup=-1 is not valid: warmup must be an integer >= 0"),
     (["norms", "nets=resnet9"], "unknown net 'resnet9'"),
     (["run", "trainer.epochs=1"], "bench run needs trainer.epochs >= 2"),
     (["run", "warmup=1"], "Could not override 'warmup'"),

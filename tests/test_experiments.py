@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 from bnexp.reference import published
 from bnexp.report.layouts import same
-from bnexp.report.presets import count, load_preset, preset_names
+from bnexp.report.presets import count, job_configs, load_preset, preset_names
 from bnexp.report.reproduce import reproduce, stage_one, stage_two
 from bnexp.report.table import combos, paper_value
 from bnexp.sweep import skip_reason
@@ -110,25 +111,25 @@ def test_bnp_learning_rates_come_from_the_paper_table(tmp_path: Path) -> None:
     assert wd.optim.weight_decay == 1.5e-4 and compose_cfg(["experiment=bnp/resnet110"]).optim.weight_decay == 1e-4
 
 
-def fake_run(results: Path, row: int, act: str, rho: float, seed: int, acc: float) -> None:
-    """A finished run of the tuning sweep as Hydra leaves it: summary and recorded overrides."""
-    run = results / f"r{row}_{act}_{rho}_{seed}"
-    (run / ".hydra").mkdir(parents=True)
-    config = {"tags": {"row": row}, "act": {"name": act}, "norm": {"rho": rho}, "trainer": {"seed": seed}}
-    (run / "summary.json").write_text(json.dumps({"status": "completed", "final_top1": acc, "config": config}))
-    overrides = [f"cbn_row=r{row}", f"norm.rho={rho}", f"act={act}", f"trainer.seed={seed}"]
-    (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+def fake_runs(results: Path, jobs: list[list[str]], accuracy: Callable[[list[str]], float]) -> None:
+    """Finished runs of a cbn/table1 sweep as a sweep leaves them: a summary holding the
+    config its job composes, and the recorded overrides."""
+    for job, config in zip(jobs, job_configs("cbn/table1", "full", jobs)):
+        run = results / "_".join(o.split("=")[1] for o in job)
+        (run / ".hydra").mkdir(parents=True)
+        summary = {"status": "completed", "final_top1": accuracy(job), "config": config}
+        (run / "summary.json").write_text(json.dumps(summary))
+        (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in job))
 
 
 def test_two_stage_tuning_counts(tmp_path: Path) -> None:
     p = load_preset("cbn/table1", overrides=[f"hydra.sweep.dir={tmp_path}"])
     untuned, grid = stage_one(p, tune_seeds=2)
     assert count(p, [untuned]) == 3 * 5 * 10 and count(p, [grid]) == 4 * 6 * 5 * 2
-    for row in (2, 5, 6, 7):  # stage 1 done: rho = 2 wins everywhere
-        for act in ("sigmoid", "tanh", "relu", "selu", "swish"):
-            for rho in (0.25, 0.5, 1.0, 2.0, 4.0, 8.0):
-                for seed in (0, 1):
-                    fake_run(tmp_path, row, act, rho, seed, 80 + (rho == 2.0))
+    jobs = [[f"cbn_row=r{row}", f"norm.rho={rho}", f"act={act}", f"trainer.seed={seed}"]
+            for row in (2, 5, 6, 7) for act in ("sigmoid", "tanh", "relu", "selu", "swish")
+            for rho in (0.25, 0.5, 1.0, 2.0, 4.0, 8.0) for seed in (0, 1)]
+    fake_runs(tmp_path, jobs, lambda job: 80 + ("norm.rho=2.0" in job))  # stage 1 done: rho = 2 wins everywhere
     second = stage_two(p, tune_seeds=2)
     assert len(second) == 4 * 5 and all("norm.rho=2.0" in sweep for sweep in second)
     assert count(p, second) == 4 * 5 * 8  # the winners' other 8 seeds: every winner at 10 seeds
@@ -159,7 +160,8 @@ def test_full_scale_without_gpu_stops_with_estimate(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.slow
 def test_quick_reproduce_fills_every_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    table = reproduce("popnorm/table2", "quick", overrides=[f"hydra.sweep.dir={tmp_path}"])
+    table, code = reproduce("popnorm/table2", "quick", overrides=[f"hydra.sweep.dir={tmp_path}"])
+    assert code == 0
     out = capsys.readouterr().out
     assert "4 runs" in out
     lines = [line for line in table.splitlines() if line.startswith("| ResNet-18")]

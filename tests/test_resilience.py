@@ -14,7 +14,7 @@ import torch
 
 from bnexp import checkpoint
 from bnexp.callbacks import Callback, TrainState
-from bnexp.errors import EXIT_PREEMPTED
+from bnexp.errors import EXIT_FAILED, EXIT_PREEMPTED
 from bnexp.trainer import train
 from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli, run_dir_of
 
@@ -121,7 +121,7 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path: Path, caplog: pytest.L
     newest.write_bytes(newest.read_bytes()[:1000])
     summary = run_inprocess(tmp_path / "resumed", ["trainer.max_steps=12"])
     assert summary["resumed_from"].endswith("step-000000004.pt")
-    assert f"unreadable checkpoint {newest}" in caplog.text
+    assert f"damaged checkpoint {newest}: its sha256 is" in caplog.text
     assert_same_run(tmp_path / "reference", tmp_path / "resumed")
 
 
@@ -152,7 +152,7 @@ def test_write_failure_keeps_previous_checkpoint(tmp_path: Path, monkeypatch: py
     with pytest.raises(RuntimeError):
         run_inprocess(run_dir, ["trainer.max_steps=12"], [CrashAt(5)])
     summary = read_summary(run_dir)
-    assert summary["checkpoint_errors"] == ["step 4: [Errno 28] No space left on device"]
+    assert summary["checkpoint_errors"] == ["step 4, step-000000004.pt: OSError: [Errno 28] No space left on device"]
     paths = checkpoint.periodic_checkpoints(run_dir)
     assert [p.name for p in paths] == ["step-000000002.pt"]
     assert checkpoint.load(paths[0])["step"] == 2
@@ -172,7 +172,7 @@ def test_explicit_resume_path_and_never(tmp_path: Path) -> None:
 def test_sweep_survives_failed_and_diverged_cells(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["train", "-m", *TINY, "norm=none", "optim.lr=0.01,1e12,-1", *run_dir_of(tmp_path)]
     code, out = run_cli(args, capsys)
-    assert code == 0, out
+    assert code == EXIT_FAILED, out  # after its report, a sweep with a failed cell exits non-zero
     statuses = {p.parent.name: read_summary(p.parent)["status"] for p in (tmp_path / "sweep").glob("*/summary.json")}
     by_lr = {next(part for part in name.split(",") if part.startswith("optim.lr=")): s for name, s in statuses.items()}
     assert by_lr == {"optim.lr=0.01": "completed", "optim.lr=1000000000000.0": "diverged", "optim.lr=-1": "failed"}
@@ -181,7 +181,7 @@ def test_sweep_survives_failed_and_diverged_cells(tmp_path: Path, capsys: pytest
 
     stamps = {p.parent.name: p.stat().st_mtime_ns for p in (tmp_path / "sweep").glob("*/summary.json")}
     code, out = run_cli(args, capsys)  # the re-run trains only the failed cell again
-    assert code == 0, out
+    assert code == EXIT_FAILED, out
     changed = {p.parent.name for p in (tmp_path / "sweep").glob("*/summary.json")
                if p.stat().st_mtime_ns != stamps[p.parent.name]}
     assert changed == {name for name, status in statuses.items() if status == "failed"}

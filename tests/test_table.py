@@ -14,7 +14,9 @@ from bnexp.report.layouts import Axis, Layout
 from bnexp.report.presets import load_preset
 from bnexp.report.results import load_summaries
 from bnexp.report.table import build, render
-from tests.conftest import run_cli
+from omegaconf import OmegaConf
+
+from tests.conftest import compose_cfg, run_cli
 
 LAYOUT = Layout(
     "Test table",
@@ -71,10 +73,21 @@ def test_latex_and_csv(tmp_path: Path) -> None:
     assert csv[0].startswith("Method,AMAT,Sigmoid,Sigmoid paper") and len(csv) == 4
 
 
+def write_preset_runs(root: Path) -> None:
+    """RUNS as runs of CBN Table 1's sweeps: each summary holds the config its job composes."""
+    for i, (row, act, rho, seed, status, top1) in enumerate(RUNS):
+        job = [f"cbn_row=r{row}", f"act={act}", f"trainer.seed={seed}", *([f"norm.rho={rho}"] if row == 2 else [])]
+        config = OmegaConf.to_container(compose_cfg(["experiment=cbn/table1", *job]), resolve=True)
+        (root / f"run{i}").mkdir(parents=True)
+        (root / f"run{i}" / "summary.json").write_text(json.dumps({"status": status, "final_top1": top1,
+                                                                    "config": config}))
+
+
 def test_table_command_on_a_results_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    write_runs(tmp_path)
+    write_preset_runs(tmp_path)
     code, out = run_cli(["table", "cbn/table1", f"results={tmp_path}"], capsys)
     assert code == 0, out
+    assert "not in this table" not in out
     lines = out.splitlines()
     assert lines[0] == f"CBN Table 1: ResNet-20 on CIFAR-10, top-1 % ({tmp_path})"
     rows = [line.split("|")[1].strip() for line in lines if line.startswith("| ")][1:]

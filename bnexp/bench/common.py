@@ -35,6 +35,7 @@ MODES = ("eager", "compiled")
 # Options every subcommand takes, with their defaults; each subcommand adds its own.
 # threads: intra-op CPU threads (0 keeps torch's default; 1 is steadier on a shared machine).
 COMMON: dict[str, Any] = {"reps": 5, "warmup": 3, "device": "auto", "threads": 0}
+MINIMA = {"reps": 1, "number": 1, "warmup": 0, "threads": 0}  # the smallest valid value of integer options
 # Every compiled case is its own module object, and torch.compile caches per object, so a
 # benchmark needs more cache entries per function than torch's default limit of 8.
 RECOMPILE_LIMIT = 256
@@ -52,6 +53,9 @@ def parse(args: Sequence[str], defaults: Mapping[str, Any],
     if overrides and not overrides_ok:
         raise ConfigError(f"unknown option {overrides[0].partition('=')[0]!r}; options: {', '.join(defaults)}")
     options = {**defaults, **{key: typed(key, text, defaults[key]) for key, text in given.items()}}
+    for key, least in MINIMA.items():
+        if key in options and options[key] < least:
+            raise ConfigError(f"{key}={options[key]} is not valid: {key} must be an integer >= {least}")
     bad = [m for m in options.get("modes", ()) if m not in MODES]
     if bad:
         raise ConfigError(f"unknown mode {bad[0]!r}; valid modes: {', '.join(MODES)}")

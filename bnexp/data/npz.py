@@ -10,6 +10,7 @@ stops with a DataError naming the file, the key and what was expected.
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -80,6 +81,9 @@ def load_npz(cfg: Mapping[str, Any]) -> ArrayData:
     path = Path(str(cfg["path"])).expanduser()
     if not path.is_file():
         raise DataError(f"data.path={path}: no such file; expected an .npz with {', '.join(KEYS)}")
+    if not zipfile.is_zipfile(path):
+        raise DataError(f"{path} is not an .npz file: expected a zip archive of .npy arrays (numpy.savez or "
+                        f"numpy.savez_compressed) holding {', '.join(KEYS)}")
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {key: f[key] for key in f.files}

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 from torch import nn
@@ -14,7 +15,8 @@ from bnexp.models.preact_resnet import PreActResNet
 from bnexp.models.resnet_cifar import CifarResNet
 from bnexp.models.resnet_imagenet import RESNET_DEPTHS, ImageNetResNet
 from bnexp.models.vgg import VGG
-from bnexp.norms import build_norm_spec
+from bnexp.errors import ConfigError
+from bnexp.norms import ChannelsError, NormSpec, build_norm_spec
 from bnexp.registry import Registry
 
 
@@ -98,8 +100,36 @@ def _cnn5(b: LayerBuilder, data: DataSpec, cfg: Mapping[str, Any]) -> nn.Module:
 
 def build_model(model_cfg: Mapping[str, Any], norm_cfg: Mapping[str, Any], act: str, data: DataSpec) -> nn.Module:
     """Build ``model_cfg.name`` with the given normalization preset and activation."""
-    builder = LayerBuilder(build_norm_spec(norm_cfg), act)
-    return MODELS.get(model_cfg["name"])(builder, data, model_cfg)
+    spec = build_norm_spec(norm_cfg)
+    build = MODELS.get(model_cfg["name"])
+    try:
+        return build(LayerBuilder(spec, act), data, model_cfg)
+    except ChannelsError as err:
+        valid = fitting_groups(lambda s: build(LayerBuilder(s, act), data, model_cfg), spec)
+        raise ConfigError(f"norm.{err} of model={model_cfg['name']}: norm.groups must divide the channels of every "
+                          f"normalized layer (the input images excepted); valid here: {', '.join(map(str, valid))}"
+                          ) from None
+
+
+@dataclass(frozen=True)
+class _CountingSpec(NormSpec):
+    """A norm spec that notes the channel count of every layer it makes (the input images' excepted)."""
+
+    seen: list[int] = field(default_factory=list)
+
+    def make(self, num_features: int, dim: int, image_input: bool = False) -> nn.Module:
+        if not image_input:
+            self.seen.append(num_features)
+        return super().make(num_features, dim, image_input)
+
+
+def fitting_groups(build: Callable[[NormSpec], nn.Module], spec: NormSpec) -> list[int]:
+    """The group counts that divide the channels of every layer ``build`` normalizes."""
+    counting = _CountingSpec(**{**{f.name: getattr(spec, f.name) for f in fields(NormSpec)},
+                                "options": {**spec.options, "groups": 1}})
+    build(counting)
+    common = math.gcd(*counting.seen)
+    return [g for g in range(1, common + 1) if common % g == 0]
 
 
 def count_parameters(model: nn.Module) -> int:

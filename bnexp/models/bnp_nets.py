@@ -31,8 +31,8 @@ class MLP(nn.Module):
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
         fin = num_features
-        for _ in range(depth):
-            layers += [b.linear(fin, width, normalize=True), b.act()]
+        for i in range(depth):
+            layers += [b.linear(fin, width, normalize=True, image_input=i == 0), b.act()]
             fin = width
         self.hidden = nn.Sequential(*layers)
         self.fc = b.classifier(fin, num_classes)
@@ -68,7 +68,7 @@ class CNN5(nn.Module):
             raise unknown_choice("model.padding", padding, PADDINGS)
         pad = 0 if padding == "valid" else None
         self.features = nn.Sequential(
-            b.conv(in_channels, width, 3, padding=pad),
+            b.conv(in_channels, width, 3, padding=pad, image_input=True),
             b.act(),
             nn.MaxPool2d(2),
             b.conv(width, 2 * width, 3, padding=pad),

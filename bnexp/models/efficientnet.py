@@ -102,7 +102,7 @@ class EfficientNet(nn.Module):
             for i in range(math.ceil(n * depth_mult))
         ]
         cin = divisible(B0_STAGES[0][3] * width_mult)
-        layers: list[nn.Module] = [b.conv(in_channels, cin, 3, 2), b.act()]
+        layers: list[nn.Module] = [b.conv(in_channels, cin, 3, 2, image_input=True), b.act()]
         for index, (expand, kernel, stride, cout) in enumerate(blocks):
             drop = stochastic_depth * index / len(blocks)
             layers.append(MBConv(b, cin, cout, expand, kernel, stride, drop))

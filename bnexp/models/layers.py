@@ -89,10 +89,11 @@ class LayerBuilder:
     def placement(self) -> str:
         return self.norm.placement
 
-    def _wrap(self, op: nn.Module, cin: int, cout: int, dim: int, normalize: bool, share_input_norm: bool) -> NormOp:
+    def _wrap(self, op: nn.Module, cin: int, cout: int, dim: int, normalize: bool, share_input_norm: bool,
+              image_input: bool = False) -> NormOp:
         before = normalize and self.placement == BEFORE_OP
         after = normalize and self.placement == AFTER_OP
-        pre = self._unbound(self.norm.make(cin, dim)) if before and not share_input_norm else nn.Identity()
+        pre = self._unbound(self.norm.make(cin, dim, image_input)) if before and not share_input_norm else nn.Identity()
         post = self.norm.make(cout, dim) if after else nn.Identity()
         if hasattr(post, "bind"):  # bn_si smooths with the norm of the weight producing each channel
             post.bind(op)
@@ -117,6 +118,7 @@ class LayerBuilder:
         normalize: bool = True,
         share_input_norm: bool = False,
         padding: int | None = None,
+        image_input: bool = False,
     ) -> NormOp:
         """A ``kernel_size`` conv with its normalization placed.
 
@@ -124,11 +126,13 @@ class LayerBuilder:
         ``share_input_norm``: with ``before_op``, the op reads an input someone else
         normalized (a projection shortcut reads its block's first normalized input).
         ``padding``: ``None`` pads to keep the size ("same"); 0 is "valid".
+        ``image_input``: the op reads the input images (a stem), whose few channels a
+        ``before_op`` group normalization splits into ``gcd(groups, channels)`` groups.
         """
         bias = self.norm.op_bias or not normalize
         pad = kernel_size // 2 if padding is None else padding
         op = nn.Conv2d(cin, cout, kernel_size, stride, pad, groups=groups, bias=bias)
-        return self._wrap(op, cin, cout, 2, normalize, share_input_norm)
+        return self._wrap(op, cin, cout, 2, normalize, share_input_norm, image_input)
 
     def plain_conv(self, cin: int, cout: int, kernel_size: int, stride: int = 1) -> nn.Conv2d:
         """A same-padded conv outside the placement scheme, for blocks that place their own
@@ -145,10 +149,11 @@ class LayerBuilder:
             post.bind(op)
         return NormOp(op, nn.Identity(), post)
 
-    def linear(self, fin: int, fout: int, normalize: bool = False) -> NormOp:
-        """A linear layer; ``normalize=False`` leaves it unnormalized, with a bias."""
+    def linear(self, fin: int, fout: int, normalize: bool = False, image_input: bool = False) -> NormOp:
+        """A linear layer; ``normalize=False`` leaves it unnormalized, with a bias;
+        ``image_input``: it reads the flattened images (see :meth:`conv`)."""
         bias = self.norm.op_bias or not normalize
-        return self._wrap(nn.Linear(fin, fout, bias=bias), fin, fout, 1, normalize, False)
+        return self._wrap(nn.Linear(fin, fout, bias=bias), fin, fout, 1, normalize, False, image_input)
 
     def classifier(self, fin: int, fout: int) -> NormOp:
         """The final Linear, with a bias; ``before_op`` with ``norm.classifier`` puts a

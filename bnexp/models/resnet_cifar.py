@@ -106,7 +106,7 @@ class CifarResNet(nn.Module):
     def __init__(self, b: LayerBuilder, depth: int, num_classes: int, in_channels: int = 3, width: int = 16) -> None:
         super().__init__()
         n = blocks_per_stage(depth)
-        self.stem = b.conv(in_channels, width, 3)
+        self.stem = b.conv(in_channels, width, 3, image_input=True)
         self.stem_act = b.act()
         make_block = partial(BasicBlock, b)
         self.blocks, cout = residual_stages(make_block, width, (width, 2 * width, 4 * width), (n, n, n))

@@ -50,7 +50,7 @@ class ImageNetResNet(nn.Module):
         width: int = 64,
     ) -> None:
         super().__init__()
-        self.stem = b.conv(in_channels, width, 7, 2)
+        self.stem = b.conv(in_channels, width, 7, 2, image_input=True)
         self.stem_act = b.act()
         self.maxpool = nn.MaxPool2d(3, 2, 1)
         widths = [width * 2**i for i in range(len(depths))]

@@ -22,7 +22,7 @@ class VGG(nn.Module):
                 layers.append(nn.MaxPool2d(2))
                 continue
             cout = v * width // 64
-            layers += [b.conv(cin, cout, 3), b.act()]
+            layers += [b.conv(cin, cout, 3, image_input=cin == in_channels and not layers), b.act()]
             cin = cout
         self.features = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)  # identity on 32x32 inputs (1x1 maps after 5 pools)

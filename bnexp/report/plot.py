@@ -1,8 +1,10 @@
-"""``bnexp plot <paper>/<name>``: training curves per method, mean over seeds and min-max band.
+"""``bnexp plot <paper>/<name>``: training curves per method, mean over seeds and min-max band;
+``bnexp plot DIR``: the same for any sweep, one line per combination of the varying overrides.
 
-One panel per table column (an activation, a data set and batch size), one line per
-table row (a method; a tuned row at its winning value), one panel row per metric
-(training loss and test accuracy by default). Written as PNG and PDF.
+For a preset: one panel per table column (an activation, a data set and batch size), one
+line per table row (a method; a tuned row at its winning value), one panel row per metric
+(training loss and test accuracy by default); only the runs of the preset's cells count
+(:func:`bnexp.report.table.preset_runs`). Written as PNG and PDF.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from bnexp.commands import exit_on_error  # noqa: E402
+from bnexp.commands import exit_on_error, split_options  # noqa: E402
 from bnexp.errors import ConfigError  # noqa: E402
 from bnexp.report.layouts import Layout, same  # noqa: E402
-from bnexp.report.presets import load_preset, parse_command  # noqa: E402
+from bnexp.report.presets import Preset, load_preset, parse_command, preset_names  # noqa: E402
 from bnexp.report.results import load_metrics, load_summaries  # noqa: E402
-from bnexp.report.table import choose, combos, select  # noqa: E402
+from bnexp.report.table import choose, combos, preset_runs, select, varying  # noqa: E402
 
 METRIC_NAMES = {"train_loss": "training loss", "test_loss": "test loss", "test_acc": "test top-1 (%)",
                 "train_acc": "training top-1 (%)", "test_top5": "test top-5 (%)"}
@@ -76,37 +78,86 @@ def draw(layout: Layout, frame: pd.DataFrame, metrics: Sequence[str], rows: Sequ
     return fig
 
 
-def plot(name: str, layout: Layout, results: Path, out: Path, metrics: Sequence[str] = ("train_loss", "test_acc"),
-         rows: Sequence[str] = ()) -> list[Path]:
-    """Draw preset ``name``'s table ``layout`` from the runs under ``results``; return the PNG
-    and PDF paths."""
-    frame = load_summaries(results)
-    if frame.empty:
-        raise ConfigError(f"no summary.json under {results}: run the sweep first")
-    fig = draw(layout, frame, metrics, rows)
+def draw_sweep(frame: pd.DataFrame, metrics: Sequence[str], title: str) -> plt.Figure:
+    """Any sweep: one panel per metric, one line (mean, min-max band over seeds) per
+    combination of the overrides that vary."""
+    keys = varying(frame)
+    columns = [f"overrides.{k}" for k in keys]
+    fig, axes = plt.subplots(1, len(metrics), squeeze=False, figsize=(4.2 * len(metrics), 3.2))
+    groups = frame.groupby(columns, dropna=False, sort=True) if columns else [((), frame)]
+    for values, runs in groups:
+        values = values if isinstance(values, tuple) else (values,)
+        label = " ".join(f"{k}={v}" for k, v in zip(keys, values)) or "all runs"
+        for ax, metric in zip(axes[0], metrics):
+            curve = band(runs, metric)
+            if not curve.empty:
+                (drawn,) = ax.plot(curve.index, curve["mean"], label=label, linewidth=1.2)
+                ax.fill_between(curve.index, curve["min"], curve["max"], color=drawn.get_color(), alpha=0.2)
+    for ax, metric in zip(axes[0], metrics):
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(METRIC_NAMES.get(metric, metric))
+        ax.legend(fontsize=6) if ax.lines else None
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def save(fig: plt.Figure, out: Path, stem: str) -> list[Path]:
+    """Write the figure as PNG and PDF under ``out``; return the paths."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{name.replace('/', '_')}.{ext}" for ext in ("png", "pdf")]
+    paths = [out / f"{stem}.{ext}" for ext in ("png", "pdf")]
     for path in paths:
         fig.savefig(path, dpi=150)
     plt.close(fig)
     return paths
 
 
+def summaries(results: Path) -> pd.DataFrame:
+    """The runs under ``results``; an error when there are none."""
+    frame = load_summaries(results)
+    if frame.empty:
+        raise ConfigError(f"no summary.json under {results}: run the sweep first")
+    return frame
+
+
+def plot(p: Preset, results: Path, out: Path, metrics: Sequence[str] = ("train_loss", "test_acc"),
+         rows: Sequence[str] = ()) -> list[Path]:
+    """Draw preset ``p``'s table layout from its runs under ``results``; return the PNG and PDF paths."""
+    fig = draw(p.layout, preset_runs(p, summaries(results), results), metrics, rows)
+    return save(fig, out, p.name.replace("/", "_"))
+
+
 def command(args: list[str]) -> None:
-    """``bnexp plot <paper>/<name> [results=DIR] [out=DIR] [metrics=a,b] [rows=v,w] [scale=quick]``."""
+    """``bnexp plot <paper>/<name> [results=DIR] [out=DIR] [metrics=a,b] [rows=v,w] [scale=quick]``
+    or ``bnexp plot DIR [out=DIR] [metrics=a,b]``."""
     exit_on_error(lambda: plot_for(args))
+
+
+SWEEP_OPTIONS = {"out": "", "metrics": "train_loss,test_acc"}
 
 
 def plot_for(args: list[str]) -> None:
     """Draw what the command line asks for and print the files written."""
-    usage = "bnexp plot <paper>/<name> [results=DIR] [out=DIR] [metrics=train_loss,test_acc] [rows=...]"
-    defaults = {"results": "", "out": "", "metrics": "train_loss,test_acc", "rows": "", "scale": "full"}
-    name, opts, overrides = parse_command(args, usage, defaults)
-    p = load_preset(name, opts["scale"], overrides)
-    results = Path(opts["results"] or p.results_dir)
-    rows = [v for v in opts["rows"].split(",") if v]
-    out = Path(opts["out"] or results / "plots")
     from bnexp.probes.plot import plot_results  # the runs' probes.csv figures, if any
 
-    for path in [*plot(name, p.layout, results, out, opts["metrics"].split(","), rows), *plot_results(results, out)]:
+    if args and args[0] not in preset_names() and Path(args[0]).is_dir():
+        results = Path(args[0])
+        given, extra = split_options(args[1:], SWEEP_OPTIONS)
+        if extra:
+            raise ConfigError(f"unknown option {extra[0].partition('=')[0]!r} for a sweep folder; options: "
+                              f"{', '.join(SWEEP_OPTIONS)}")
+        opts = {**SWEEP_OPTIONS, **given}
+        out = Path(opts["out"] or results / "plots")
+        fig = draw_sweep(summaries(results), opts["metrics"].split(","), str(results))
+        paths = save(fig, out, "sweep")
+    else:
+        usage = ("bnexp plot <paper>/<name> [results=DIR] [out=DIR] [metrics=train_loss,test_acc] [rows=...], or "
+                 "bnexp plot DIR [out=DIR] [metrics=...]")
+        defaults = {"results": "", "out": "", "metrics": "train_loss,test_acc", "rows": "", "scale": "full"}
+        name, opts, overrides = parse_command(args, usage, defaults)
+        p = load_preset(name, opts["scale"], overrides)
+        results = Path(opts["results"] or p.results_dir)
+        out = Path(opts["out"] or results / "plots")
+        paths = plot(p, results, out, opts["metrics"].split(","), [v for v in opts["rows"].split(",") if v])
+    for path in [*paths, *plot_results(results, out)]:
         print(path)

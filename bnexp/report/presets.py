@@ -9,20 +9,20 @@ commands use the sweeps' values without expanding them; ``bnexp reproduce`` expa
 
 from __future__ import annotations
 
+import difflib
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Mapping, Sequence
 
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig, OmegaConf
+from hydra import compose
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bnexp.commands import split_options
-from bnexp.config import config_dir, register_resolvers
+from bnexp.config import config_dir, hydra_session, is_group, parser
+from bnexp.cmdline import compose_or_explain
+from bnexp.identity import fingerprint, override_key, result_config
 from bnexp.errors import ConfigError, unknown_choice
 from bnexp.report.layouts import Layout, layout_from
 from bnexp.sweep import Job, Values, expand, parse_values, select, sweep_lines, union
@@ -50,19 +50,6 @@ def preset_names() -> list[str]:
 def preset_overrides(name: str, scale: str = "full") -> list[str]:
     """The command-line overrides selecting a preset at a scale."""
     return [f"experiment={name}", *([f"scale={scale}"] if scale != "full" else [])]
-
-
-@contextmanager
-def hydra_session() -> Iterator[None]:
-    """A Hydra context on bnexp's config tree (outside any running Hydra app)."""
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        yield
-
-
-def parser() -> OverridesParser:
-    """Hydra's override parser on bnexp's config tree (call inside :func:`hydra_session`)."""
-    return OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
 
 
 @dataclass
@@ -96,6 +83,13 @@ class Preset:
         fixed = {a["key"]: OmegaConf.select(self.cfg, a["key"]) for a in [*report.rows, *report.columns]}
         return layout_from(OmegaConf.to_container(report, resolve=True), self.sweeps, fixed)
 
+    @cached_property
+    def expected(self) -> dict[str, dict[str, Any]]:
+        """The result config (dotted keys, :func:`bnexp.identity.result_config`) of every run
+        the sweeps make, by fingerprint: a run belongs to the preset's table when its
+        fingerprint is one of these."""
+        return {fingerprint(c): c for c in job_configs(self.name, self.scale, self.jobs)}
+
     @property
     def seeds(self) -> list[int]:
         """The seeds any sweep runs, in order."""
@@ -111,13 +105,52 @@ def load_preset(name: str, scale: str = "full", overrides: Sequence[str] = ()) -
     with hydra_session():
         sweep_overrides = [o.input_line for o in parser().parse_overrides(list(overrides)) if o.is_sweep_override()]
         fixed = [o for o in overrides if o not in sweep_overrides]
-        cfg = compose("train", [*preset_overrides(name, scale), *fixed], return_hydra_config=True)
+        chosen = [*preset_overrides(name, scale), *fixed]
+        cfg = compose_or_explain(chosen, parser().parse_overrides(chosen))
         preset_sweeps = OmegaConf.to_container(cfg.hydra.sweeper.sweeps) or [{}]
         params = OmegaConf.to_container(cfg.hydra.sweeper.params) if cfg.hydra.sweeper.params else {}
         task = [o for o in overrides if not o.startswith(("hydra.", "hydra/"))]  # what a job's overrides hold
         given = parse_values([*sweep_lines(params), *task], parser())
         sweeps = tuple(select([parse_values(sweep_lines(s), parser()) for s in preset_sweeps], given))
     return Preset(name, scale, cfg, tuple(overrides), tuple(task), tuple(sweep_lines(params)), sweeps)
+
+
+def job_configs(name: str, scale: str, jobs: Sequence[Job]) -> list[dict[str, Any]]:
+    """The result config of each job of a preset, as its run would record it. Each
+    combination of group choices is composed once; a job's values are set on it, the config
+    resolved (so interpolations such as the BNP learning rates follow them), and the
+    values set back."""
+    configs, bases = [], {}
+    with hydra_session():
+        read = parser()
+        for job in jobs:
+            parsed = read.parse_overrides(list(job))
+            groups = tuple(o.input_line for o in parsed if is_group(o))
+            if groups not in bases:
+                cfg = compose("train", [*preset_overrides(name, scale), *groups])
+                bases[groups] = (cfg, OmegaConf.to_container(cfg, resolve=False))
+            cfg, raw = bases[groups]
+            values = [(o.key_or_group, o.value()) for o in parsed if not is_group(o)]
+            with open_dict(cfg):
+                for key, value in values:
+                    OmegaConf.update(cfg, key, value, merge=False)
+                configs.append(result_config(cfg))
+                for key, _ in values:
+                    _restore(cfg, raw, key)
+    return configs
+
+
+def _restore(cfg: DictConfig, raw: Mapping[str, Any], key: str) -> None:
+    """Set ``key`` of ``cfg`` back to its value (an interpolation kept as one) in ``raw``,
+    or delete it if ``raw`` has none."""
+    node: Any = raw
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            parent, _, leaf = key.rpartition(".")
+            del (OmegaConf.select(cfg, parent) if parent else cfg)[leaf]
+            return
+        node = node[part]
+    OmegaConf.update(cfg, key, node, merge=False)
 
 
 def count(p: Preset, sweeps: Sequence[Sequence[str]]) -> int:
@@ -161,4 +194,12 @@ def parse_command(args: Sequence[str], usage: str, defaults: dict[str, str]) -> 
     if not args or "=" in args[0]:
         raise ConfigError(f"usage: {usage}; presets: {', '.join(preset_names())}")
     given, overrides = split_options(args[1:], defaults)
+    roots = {p.name for p in config_dir().iterdir() if p.is_dir()} | {"tags", "probes", "hydra"}
+    for line in overrides:
+        root = override_key(line).split(".")[0].split("/")[0]
+        if root not in roots:
+            close = difflib.get_close_matches(root, [*defaults, *roots], n=2, cutoff=0.7)
+            raise ConfigError(f"unknown option {root!r}{'; did you mean ' + ' or '.join(close) + '?' if close else ''} "
+                              f"options: {', '.join(defaults)}, and Hydra overrides of the preset (e.g. "
+                              "data.root=PATH)")
     return args[0], {**defaults, **given}, overrides

@@ -18,17 +18,19 @@ from bnexp.commands import exit_on_error
 from bnexp.errors import EXIT_CONFIG, ConfigError
 from bnexp.report.presets import SEED, Preset, count, estimate, load_preset, parse_command, preset_overrides
 from bnexp.report.results import load_summaries
-from bnexp.report.table import best_choice, select, table_text
+from bnexp.report.table import best_choice, preset_runs, select, table_text
+from bnexp.sweep import describe_jobs
 
 Lines = list[str]  # one command-line sweep, "key=value" lines
 
 
-def launch(p: Preset, sweep: Optional[Sequence[str]] = None) -> None:
-    """``bnexp train -m`` over the preset, in-process: its own sweeps, or only ``sweep``."""
+def launch(p: Preset, sweep: Optional[Sequence[str]] = None) -> int:
+    """``bnexp train -m`` over the preset, in-process: its own sweeps, or only ``sweep``.
+    Returns EXIT_FAILED when cells failed, else 0."""
     from bnexp.app import multirun
 
     only = [] if sweep is None else ["hydra.sweeper.sweeps=[]", *sweep]
-    multirun([*preset_overrides(p.name, p.scale), *p.overrides, *only])
+    return multirun([*preset_overrides(p.name, p.scale), *p.overrides, *only])
 
 
 def tuned_key(p: Preset) -> str:
@@ -56,7 +58,7 @@ def stage_two(p: Preset, tune_seeds: int) -> list[Lines]:
     on the remaining seeds. A cell is a combination of the sweep's other keys; its runs are
     found by the overrides Hydra recorded for them."""
     key = tuned_key(p)
-    frame = load_summaries(p.results_dir)
+    frame = preset_runs(p, load_summaries(p.results_dir), p.results_dir)
     second = []
     for sweep in (s for s in p.sweeps if key in s):
         later = [s for s in sweep.get(SEED, []) if int(s) >= tune_seeds]
@@ -83,36 +85,53 @@ def gate(p: Preset, force: bool) -> None:
 
 
 def reproduce(name: str, scale: str = "full", force: bool = False, tune_seeds: int | None = None,
-              overrides: Sequence[str] = ()) -> str:
-    """Run a preset's sweeps (staged when ``tune_seeds`` is set) and return its table."""
+              overrides: Sequence[str] = ()) -> tuple[str, int]:
+    """Run a preset's sweeps (staged when ``tune_seeds`` is set); return its table and the
+    exit code (EXIT_FAILED when cells failed, else 0)."""
     p = load_preset(name, scale, overrides)
     if tune_seeds is None:
         print(f"bnexp reproduce {name} (scale {scale}): {estimate(p)}; results in {p.results_dir}", flush=True)
         gate(p, force)
-        launch(p)
+        codes = [launch(p)]
     else:
         first = stage_one(p, tune_seeds)
         print(f"bnexp reproduce {name} (scale {scale}, tune_seeds={tune_seeds}): stage 1, {count(p, first)} of the "
               f"{estimate(p)} of the full grid; results in {p.results_dir}", flush=True)
         gate(p, force)
-        for sweep in first:
-            launch(p, sweep)
+        codes = [launch(p, sweep) for sweep in first]
         second = stage_two(p, tune_seeds)
         print(f"bnexp reproduce {name}: stage 2, {count(p, second)} runs at the winning {p.layout.tune_name}",
               flush=True)
-        for sweep in second:
-            launch(p, sweep)
-    return table_text(p, p.results_dir)
+        codes += [launch(p, sweep) for sweep in second]
+    return table_text(p, p.results_dir), max(codes)
+
+
+def dry_run(name: str, scale: str = "full", overrides: Sequence[str] = ()) -> str:
+    """The preset's cells and their run directories, without running anything."""
+    p = load_preset(name, scale, overrides)
+    return f"bnexp reproduce {name} (scale {scale}): {estimate(p)}\n{describe_jobs(p.jobs, p.results_dir)}\n"
 
 
 def command(args: list[str]) -> None:
-    """``bnexp reproduce <paper>/<name> [scale=quick] [force=true] [tune_seeds=N] [overrides]``."""
-    exit_on_error(lambda: print(reproduce_for(args), end=""))
+    """``bnexp reproduce <paper>/<name> [scale=quick] [force=true] [tune_seeds=N] [dry_run=true] [overrides]``."""
+    exit_on_error(lambda: reproduce_for(args))
 
 
-def reproduce_for(args: list[str]) -> str:
-    """Run what the command line asks for; return the table."""
-    usage = "bnexp reproduce <paper>/<name> [scale=full|quick] [force=true] [tune_seeds=N] [Hydra overrides]"
-    name, opts, overrides = parse_command(args, usage, {"scale": "full", "force": "false", "tune_seeds": ""})
+def reproduce_for(args: list[str]) -> None:
+    """Run what the command line asks for and print the table (or, with dry_run, the cells);
+    exit non-zero after the table when cells failed."""
+    usage = ("bnexp reproduce <paper>/<name> [scale=full|quick] [force=true] [tune_seeds=N] [dry_run=true] "
+             "[Hydra overrides]")
+    defaults = {"scale": "full", "force": "false", "tune_seeds": "", "dry_run": "false"}
+    name, opts, overrides = parse_command(args, usage, defaults)
+    if opts["dry_run"].lower() in TRUE:
+        print(dry_run(name, opts["scale"], overrides), end="")
+        return
     tune = int(opts["tune_seeds"]) if opts["tune_seeds"] else None
-    return reproduce(name, opts["scale"], opts["force"].lower() in ("1", "true", "yes"), tune, overrides)
+    table, code = reproduce(name, opts["scale"], opts["force"].lower() in TRUE, tune, overrides)
+    print(table, end="", flush=True)
+    if code:
+        sys.exit(code)
+
+
+TRUE = ("1", "true", "yes")

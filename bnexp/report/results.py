@@ -11,15 +11,8 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from bnexp.identity import fingerprint, flatten, result_config
 from bnexp.probes.callback import read_probes
-
-
-def _flatten(prefix: str, node: Any, out: dict[str, Any]) -> None:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            _flatten(f"{prefix}.{key}" if prefix else str(key), value, out)
-    else:
-        out[prefix] = node
 
 
 def run_overrides(run_dir: Path) -> dict[str, str]:
@@ -30,16 +23,21 @@ def run_overrides(run_dir: Path) -> dict[str, str]:
 
 
 def summary_row(path: Path) -> dict[str, Any]:
-    """One run: status, metrics, the config flattened to dotted keys (``act.name``), and the
-    job's overrides as ``overrides.<key>`` (``overrides.cbn_row``: the values its sweep gave)."""
+    """One run: status, metrics, the config flattened to dotted keys (``act.name``), the
+    job's overrides as ``overrides.<key>`` (``overrides.cbn_row``: the values its sweep gave),
+    and its identity: ``fingerprint`` and ``result_config`` (:mod:`bnexp.identity`)."""
     row: dict[str, Any] = {f"overrides.{key}": value for key, value in run_overrides(path.parent).items()}
     row["run_dir"] = str(path.parent)
     try:
         summary = json.loads(path.read_text())
     except (OSError, ValueError) as err:  # a half-written or corrupt file counts as failed
-        return {**row, "status": "failed", "error": f"unreadable summary: {err}"}
-    _flatten("", summary.pop("config", {}), row)
+        return {**row, "status": "failed", "error": f"unreadable summary: {err}", "fingerprint": None,
+                "result_config": {}}
+    config = summary.pop("config", {})
+    row.update(flatten(config))
     row.update({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
+    row["result_config"] = result_config(config)
+    row["fingerprint"] = fingerprint(row["result_config"])
     return row
 
 

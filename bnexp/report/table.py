@@ -1,24 +1,30 @@
-"""``bnexp table <paper>/<name>``: a preset's results in the paper's layout.
+"""``bnexp table <paper>/<name>``: a preset's results in the paper's layout; ``bnexp table
+DIR rows=KEY cols=KEY``: any sweep's results grouped by the overrides that vary.
 
 Each cell is ``mean ± std (n)`` over the completed runs, beside the published value and
 the difference. Runs that diverged or failed, and runs the sweep should have made but
-did not, are counted in the cell's parentheses, never dropped silently.
+did not, are counted in the cell's parentheses, never dropped silently. A preset's table
+counts only the runs whose fingerprint is one of its cells' (:attr:`Preset.expected`); the
+others in its folder are reported as not in the table.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
-from bnexp.commands import exit_on_error
+from bnexp.commands import exit_on_error, split_options
 from bnexp.errors import ConfigError, unknown_choice
 from bnexp.report.layouts import METRIC_LABELS, METRICS, Layout, same
-from bnexp.report.presets import SEED, Preset, load_preset, parse_command
+from bnexp.identity import differences, is_non_result
+from bnexp.report.presets import SEED, Preset, load_preset, parse_command, preset_names
 from bnexp.reference import published
 from bnexp.report.results import load_summaries, seconds_per_epoch
 from bnexp.report.stability import largest_stable
@@ -55,7 +61,7 @@ def select(frame: pd.DataFrame, keys: Mapping[str, Any]) -> pd.DataFrame:
     for key, value in keys.items():
         if key not in frame:
             return frame.iloc[0:0]
-        mask &= frame[key].map(lambda v: same(v, value))
+        mask &= frame[key].map(lambda v: same(v, value)).astype(bool)
     return frame[mask]
 
 
@@ -207,20 +213,132 @@ def render(table: pd.DataFrame, fmt: str, title: str) -> str:
     raise unknown_choice("format", fmt, FORMATS)
 
 
+def preset_runs(p: Preset, frame: pd.DataFrame, results: Path) -> pd.DataFrame:
+    """The runs of ``frame`` that belong to preset ``p``'s table (their fingerprint is one of
+    its cells'); the others are named on stderr with the settings that set them apart."""
+    if frame.empty:
+        return frame
+    member = frame["fingerprint"].isin(p.expected.keys())
+    others = frame[~member]
+    if len(others):
+        print(f"bnexp: {len(others)} of the {len(frame)} runs under {results} are not in this table: their settings "
+              f"match no run of {p.name} ({why_not(p, others)})", file=sys.stderr)
+    return frame[member]
+
+
+def why_not(p: Preset, others: pd.DataFrame, sample: int = 5) -> str:
+    """The keys that set runs apart from the preset, from the nearest of its runs to each of
+    the first ``sample`` of them."""
+    keys: Counter[str] = Counter()
+    example = ""
+    for _, run in others.head(sample).iterrows():
+        there = run["result_config"]
+        if not there:
+            keys["unreadable summary.json"] += 1
+            continue
+        nearest = min(p.expected.values(), key=lambda c: sum(there.get(k) != c.get(k) for k in there.keys() | c.keys()))
+        keys.update(k for k in there.keys() | nearest.keys() if there.get(k) != nearest.get(k))
+        example = example or f"e.g. {run['run_dir']}: {differences(there, nearest)}"
+    names = [k for k, _ in keys.most_common()]
+    listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return "; ".join(part for part in (f"they differ in {listed}", example) if part)
+
+
 def table_text(p: Preset, results: Path, fmt: str = "markdown") -> str:
     """The rendered table of preset ``p`` from the summaries under ``results``."""
-    table = build(p.layout, load_summaries(results), int(p.cfg.trainer.seed))
+    table = build(p.layout, preset_runs(p, load_summaries(results), results), int(p.cfg.trainer.seed))
     return render(table, fmt, f"{p.layout.title} ({results})")
 
 
+# ---- any sweep's folder ----------------------------------------------------------------
+SWEEP_OPTIONS = {"rows": "", "cols": "", "metric": "top1", "format": "markdown"}
+REPLICATES = ("trainer.seed",)  # overrides whose runs a cell pools
+
+
+def varying(frame: pd.DataFrame) -> list[str]:
+    """The override keys whose values differ between the runs (seeds and settings that do
+    not change the result left out), in the order they first appear."""
+    keys = [c.removeprefix("overrides.") for c in frame.columns if c.startswith("overrides.")]
+    return [k for k in keys if k not in REPLICATES and not is_non_result(k)
+            and frame[f"overrides.{k}"].astype(str).nunique(dropna=False) > 1]
+
+
+def column_of(frame: pd.DataFrame, key: str, valid: Sequence[str]) -> str:
+    """The frame column holding ``key``: its override, else the config key itself."""
+    for column in (f"overrides.{key}", key):
+        if column in frame:
+            return column
+    raise ConfigError(f"unknown key {key!r} for rows/cols: the overrides that vary here are "
+                      f"{', '.join(valid) or 'none'}; any config key (act.name, optim.lr) works too")
+
+
+def ordered(values: pd.Series) -> list[Any]:
+    """A column's distinct values, numbers in numeric order, text in alphabetical order."""
+    distinct = list(dict.fromkeys(values.dropna().tolist()))
+    try:
+        return sorted(distinct, key=float)
+    except (TypeError, ValueError):
+        return sorted(distinct, key=str)
+
+
+def sweep_table(frame: pd.DataFrame, rows: Sequence[str], cols: Sequence[str], metric: str,
+                label: str = "") -> pd.DataFrame:
+    """Cells ``mean ± std (n; diverged, failed)`` of ``metric`` (headed ``label``) for every
+    combination of the ``rows`` keys (one line each) and the ``cols`` keys (one column each)."""
+    valid = varying(frame)
+    row_cols = [column_of(frame, k, valid) for k in rows]
+    col_cols = [column_of(frame, k, valid) for k in cols]
+    row_keys = list(itertools.product(*(ordered(frame[c]) for c in row_cols))) or [()]
+    col_keys = list(itertools.product(*(ordered(frame[c]) for c in col_cols))) or [()]
+    lines = []
+    for row in row_keys:
+        runs = select(frame, dict(zip(row_cols, row)))
+        if runs.empty:
+            continue
+        line = {key: str(value) for key, value in zip(rows, row)} or {"runs": "all"}
+        for col in col_keys:
+            name = " ".join(f"{k}={v}" for k, v in zip(cols, col)) or label or metric
+            line[name] = stats(select(runs, dict(zip(col_cols, col))), metric, 0).text("")
+        lines.append(line)
+    return pd.DataFrame(lines)
+
+
+def sweep_text(folder: Path, options: Mapping[str, str]) -> str:
+    """``bnexp table DIR``: the sweep's runs by ``rows`` and ``cols`` (default: every varying
+    override as a row key)."""
+    frame = load_summaries(folder)
+    if frame.empty:
+        raise ConfigError(f"no summary.json under {folder}: nothing to tabulate")
+    cols = [k for k in options["cols"].split(",") if k]
+    rows = [k for k in options["rows"].split(",") if k] or [k for k in varying(frame) if k not in cols]
+    metric = METRICS.get(options["metric"], options["metric"])
+    if metric not in frame:
+        numeric = [c for c in frame.columns if c.startswith(("final_", "best_"))]
+        raise ConfigError(f"metric={options['metric']!r}: no run recorded it; valid: {', '.join(METRICS)}, "
+                          f"{', '.join(numeric)}")
+    table = sweep_table(frame, rows, cols, metric, METRIC_LABELS.get(options["metric"], options["metric"]))
+    return render(table, options["format"], f"{folder}: {options['metric']}").replace(LEGEND, SWEEP_LEGEND)
+
+
+SWEEP_LEGEND = "cell: mean ± std (completed runs; diverged and failed runs)"
+
+
 def command(args: list[str]) -> None:
-    """``bnexp table <paper>/<name> [results=DIR] [format=markdown|latex|csv] [scale=quick]``."""
+    """``bnexp table <paper>/<name> [results=DIR] [format=...] [scale=quick]`` or
+    ``bnexp table DIR [rows=KEY,...] [cols=KEY,...] [metric=top1] [format=...]``."""
     exit_on_error(lambda: print(text_for(args), end=""))
 
 
 def text_for(args: list[str]) -> str:
     """The table the command line asks for."""
-    usage = "bnexp table <paper>/<name> [results=DIR] [format=markdown|latex|csv] [scale=full|quick]"
+    if args and args[0] not in preset_names() and Path(args[0]).is_dir():
+        given, extra = split_options(args[1:], SWEEP_OPTIONS)
+        if extra:
+            raise ConfigError(f"unknown option {extra[0].partition('=')[0]!r} for a sweep folder; options: "
+                              f"{', '.join(SWEEP_OPTIONS)}")
+        return sweep_text(Path(args[0]), {**SWEEP_OPTIONS, **given})
+    usage = ("bnexp table <paper>/<name> [results=DIR] [format=markdown|latex|csv] [scale=full|quick], or "
+             "bnexp table DIR [rows=KEY,...] [cols=KEY,...] [metric=top1]")
     name, options, overrides = parse_command(args, usage, {"results": "", "format": "markdown", "scale": "full"})
     p = load_preset(name, options["scale"], overrides)
     return table_text(p, Path(options["results"] or p.results_dir), options["format"])

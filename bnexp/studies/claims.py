@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -339,14 +340,14 @@ def arm_overrides(arm: Arm, folder: Path, scale: str, jobs: int, extra: Sequence
                   [f"trainer.seed={','.join(map(str, seeds))}", f"hydra.sweep.dir={folder}"], launcher, extra)
 
 
-def run_claim(claim: Claim, out: Path, scale: str, jobs: int, extra: Sequence[str]) -> list[Finding]:
-    """Train (or reuse) every arm of ``claim`` under ``out/<name>`` and judge the runs."""
+def run_claim(claim: Claim, out: Path, scale: str, jobs: int, extra: Sequence[str]) -> tuple[list[Finding], int]:
+    """Train (or reuse) every arm of ``claim`` under ``out/<name>`` and judge the runs; the
+    findings and the exit code of the arms' sweeps (EXIT_FAILED when cells failed)."""
     from bnexp.app import multirun
 
     folder = out / claim.name
-    for arm in claim.arms:
-        multirun(arm_overrides(arm, folder, scale, jobs, extra))
-    return claim.judge(load_summaries(folder))
+    codes = [multirun(arm_overrides(arm, folder, scale, jobs, extra)) for arm in claim.arms]
+    return claim.judge(load_summaries(folder)), max(codes)
 
 
 def render(rows: list[tuple[Claim, Finding]], fmt: str) -> str:
@@ -372,11 +373,11 @@ def default_jobs() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-def main(args: list[str]) -> str:
-    """Run the claims the arguments name; return the table."""
+def main(args: list[str]) -> tuple[str, int]:
+    """Run the claims the arguments name; return the table and the exit code."""
     names = [a for a in args if "=" not in a]
     if not names:
-        return listing() + "\n"
+        return listing() + "\n", 0
     options, extra = split_options([a for a in args if "=" in a], OPTIONS)
     opts = {**OPTIONS, **options}
     if opts["scale"] not in SCALES:
@@ -394,16 +395,24 @@ def main(args: list[str]) -> str:
     if jobs < 1:
         raise ConfigError(f"jobs={jobs} is not valid: a number of parallel runs >= 1")
     out = Path(opts["out"] or ("results/claims" if opts["scale"] == "full" else "results/quick/claims"))
-    rows = [(CLAIMS[name], finding) for name in chosen
-            for finding in run_claim(CLAIMS[name], out, opts["scale"], jobs, extra)]
+    results = {name: run_claim(CLAIMS[name], out, opts["scale"], jobs, extra) for name in chosen}
+    rows = [(CLAIMS[name], finding) for name, (findings, _) in results.items() for finding in findings]
     table = render(rows, opts["format"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"claims.{'md' if opts['format'] == 'markdown' else 'csv'}").write_text(table)
     banner = "scale=quick: a smoke run of the pipeline; these verdicts are not evidence.\n\n" \
         if opts["scale"] == "quick" else ""
-    return f"{banner}Claims on scikit-learn's digits (not CIFAR or ImageNet numbers); runs in {out}\n\n{table}"
+    text = f"{banner}Claims on scikit-learn's digits (not CIFAR or ImageNet numbers); runs in {out}\n\n{table}"
+    return text, max(code for _, code in results.values())
 
 
 def command(args: list[str]) -> None:
-    """``bnexp claims [all | NAME ...] [scale=full|quick] [jobs=N] [out=DIR] [format=markdown|csv] [overrides]``."""
-    exit_on_error(lambda: print(main(args), end="", flush=True))
+    """``bnexp claims [all | NAME ...] [scale=full|quick] [jobs=N] [out=DIR] [format=markdown|csv] [overrides]``;
+    after the table, exit non-zero when some run failed."""
+    def body() -> None:
+        text, code = main(args)
+        print(text, end="", flush=True)
+        if code:
+            sys.exit(code)
+
+    exit_on_error(body)

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from bnexp.commands import exit_on_error, split_options
 from bnexp.config import check_published_lr, lr_not_applicable
 from bnexp.errors import ConfigError
-from bnexp.report.presets import hydra_session
+from bnexp.config import hydra_session
 from bnexp.sweep import skip_reason
 
 T = TypeVar("T")

@@ -14,19 +14,22 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from bnexp.sweep import Sweep, expand
+from bnexp.sweep import Sweep, describe_jobs, expand, plan
 
 
 class BnexpSweeper(Sweeper):
     """Hydra's basic sweeper over the union of several sweeps (configs/hydra/sweeper/bnexp.yaml).
 
     ``report`` is not used here: it describes the preset's table for ``bnexp table``.
+    ``dry_run`` prints the jobs and their run directories instead of running them.
     """
 
     def __init__(self, max_batch_size: Optional[int] = None, sweeps: Optional[Sequence[Sweep]] = None,
-                 params: Optional[Sweep] = None, report: Optional[Mapping[str, Any]] = None) -> None:
+                 params: Optional[Sweep] = None, report: Optional[Mapping[str, Any]] = None,
+                 dry_run: bool = False) -> None:
         super().__init__()
         self.max_batch_size = max_batch_size
+        self.dry_run = dry_run
         self.sweeps = [dict(s) for s in OmegaConf.to_container(OmegaConf.create(list(sweeps or [])))]
         self.params = dict(params or {})
 
@@ -42,8 +45,12 @@ class BnexpSweeper(Sweeper):
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         jobs = expand(self.sweeps, self.params, arguments, parser)
         sweep_dir = Path(self.config.hydra.sweep.dir)
+        if self.dry_run:
+            print(describe_jobs(jobs, sweep_dir), flush=True)
+            return []
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        plan(len(jobs))
         size = self.max_batch_size or max(1, len(jobs))
         returns = []
         for start in range(0, len(jobs), size):

@@ -1,0 +1,199 @@
+"""Checking a ``bnexp train`` command line before Hydra runs it.
+
+Hydra answers an unknown group option, group or key with a page of text and exit code 1;
+it accepts ``+key=value`` for any key, a typo of an existing one included, and the run then
+ignores it; an unwritable output folder fails inside its logging set-up with a traceback.
+:func:`check_command_line` composes the configs the command asks for first (each group
+choice of a sweep once) and turns each of these into one :class:`ConfigError` (exit code 2)
+that names the value and the valid choices.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from hydra import compose
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.types import Override
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from bnexp.config import config_dir, hydra_session, is_group, parser
+from bnexp.errors import ConfigError
+
+# Hydra flags followed by a value, and flags after which Hydra does not compose train.yaml
+# (help, another config, shell completion): the latter are left to Hydra.
+VALUE_FLAGS = ("--cfg", "-c", "--package", "-p")
+HYDRA_ONLY_FLAGS = ("-h", "--help", "--hydra-help", "--version", "--info", "-i", "--shell-completion", "-sc",
+                    "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun")
+ADDABLE = ("tags.", "hydra.")  # keys a command line may add with +key=value
+DRY_RUN = "hydra.sweeper.dry_run=true"  # what `bnexp train -m --dry-run` passes to bnexp's sweeper
+
+
+def overrides_of(args: Sequence[str]) -> Optional[list[str]]:
+    """The override arguments of a command line; None when a flag hands it to Hydra alone."""
+    found: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg.split("=", 1)[0] in HYDRA_ONLY_FLAGS:
+            return None
+        elif arg in VALUE_FLAGS:
+            skip = True
+        elif not arg.startswith("-"):
+            found.append(arg)
+    return found
+
+
+def one_value(o: Override, value: str) -> str:
+    return f"{o.get_key_element()}={value}"
+
+
+def variants(parsed: Sequence[Override]) -> list[list[str]]:
+    """Override lists to compose: each sweep at its first value, then each other value of a
+    swept group once. Interval sweeps (a search sweeper's) are left out."""
+    def base_line(o: Override) -> Optional[str]:
+        if not o.is_sweep_override():
+            return o.input_line
+        return one_value(o, next(iter(o.sweep_string_iterator()))) if o.is_discrete_sweep() else None
+
+    base = [base_line(o) for o in parsed]
+    out = [[line for line in base if line is not None]]
+    for i, o in enumerate(parsed):
+        if o.is_sweep_override() and o.is_discrete_sweep() and is_group(o):
+            for value in list(o.sweep_string_iterator())[1:]:
+                out.append([line for j, line in enumerate(base) if line is not None and j != i] + [one_value(o, value)])
+    return out
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group of bnexp's tree (``experiment``: ``cbn/table1``, ...)."""
+    root = config_dir() / group
+    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
+
+
+def missing_option(err: MissingConfigException, parsed: Sequence[Override]) -> str:
+    """``norm=cbnn`` -> "unknown norm 'cbnn'; valid choices: bn, cbn, ..."."""
+    missing = err.missing_cfg_file or ""
+    for o in parsed:
+        group = o.key_or_group
+        if is_group(o) and missing.startswith(group + "/"):
+            options = list(err.options or []) or group_options(group)
+            return f"unknown {group} {missing[len(group) + 1:]!r}; valid choices: {', '.join(options)}"
+    return str(err).split("\n")[0]
+
+
+def keys_under(cfg: DictConfig, parent: str) -> list[str]:
+    """The keys of the node at ``parent`` (the root for ''), config groups of the root included."""
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    keys = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+    if not parent:
+        keys += [p.name for p in config_dir().iterdir() if p.is_dir() and not p.name.startswith("_")]
+    return sorted(set(keys) - {"hydra"})
+
+
+def unknown_key(key: str, cfg: Optional[DictConfig], added: bool = False) -> str:
+    """``trainer.epoch`` -> "unknown key 'trainer.epoch'; did you mean trainer.epochs? ..."."""
+    parent, _, leaf = key.rpartition(".")
+    valid = keys_under(cfg, parent) if cfg is not None else []
+    close = difflib.get_close_matches(leaf, valid, n=3, cutoff=0.7)
+    what = "key" if parent else "config group or key"
+    text = f"unknown {what} {key!r}"
+    if added:
+        text += " (bnexp would ignore it; only tags.* may be added with +)"
+    if close:
+        text += f"; did you mean {' or '.join(f'{parent}.{c}' if parent else c for c in close)}?"
+    if valid:
+        text += f" Valid {'keys under ' + parent if parent else 'groups and keys'}: {', '.join(valid)}"
+    return text
+
+
+def compose_or_explain(overrides: list[str], parsed: Sequence[Override]) -> DictConfig:
+    """The composed config (its hydra node included), or a ConfigError saying what is wrong."""
+    try:
+        return compose("train", overrides, return_hydra_config=True)
+    except MissingConfigException as err:
+        raise ConfigError(missing_option(err, parsed)) from None
+    except (HydraException, OmegaConfBaseException) as err:
+        message = str(err).split("\n")[0]
+        if message.startswith("Could not override '"):
+            key = message.split("'")[1]
+            rest = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key]
+            raise ConfigError(unknown_key(key, quiet_compose(rest))) from None
+        if message.startswith("Could not append to config. An item is already at '"):
+            key = message.split("'")[1]
+            raise ConfigError(f"+{key}=... adds a key that exists already: write {key}=VALUE") from None
+        raise ConfigError(f"the overrides {' '.join(overrides)} do not compose: {message}") from None
+
+
+def quiet_compose(overrides: list[str]) -> Optional[DictConfig]:
+    try:
+        return compose("train", overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException):
+        return None
+
+
+def check_additions(parsed: Sequence[Override], base: list[str]) -> None:
+    """``+key=value`` for a key bnexp does not have is an error (Hydra adds it, nothing reads it)."""
+    added = [o for o in parsed if (o.is_add() or o.is_force_add()) and not is_group(o)
+             and not o.key_or_group.startswith(ADDABLE)]
+    if not added:
+        return
+    without = quiet_compose([line for line in base if not line.startswith("+")])
+    for o in added:
+        if without is None or OmegaConf.select(without, o.key_or_group, default=_ABSENT) is _ABSENT:
+            raise ConfigError(unknown_key(o.key_or_group, without, added=True))
+
+
+_ABSENT: Any = object()
+
+
+def ensure_writable(folder: Path, key: str) -> None:
+    """Create ``folder`` and a file in it, or raise a ConfigError naming it and ``key``."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise ConfigError(f"cannot write to the output folder {folder} ({type(err).__name__}: {err.strerror or err}): "
+                          f"choose another with {key}=PATH") from None
+
+
+def check_output(cfg: DictConfig, task: list[str], multirun: bool) -> None:
+    """The run's (or the sweep's) output folder can be written."""
+    with open_dict(cfg):
+        cfg.hydra.overrides.task = task  # the sweep folder is named after the command line
+    HydraConfig.instance().set_config(cfg)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    ensure_writable(Path(os.path.expanduser(str(OmegaConf.select(cfg, key)))), key)
+
+
+def check_command_line(args: Sequence[str]) -> None:
+    """Compose what ``bnexp train ARGS`` would run; raise ConfigError for an unknown group
+    option, group or key, an unknown ``+key``, a sweep without ``-m``, an unparsable override
+    or an output folder that cannot be written."""
+    overrides = overrides_of(args)
+    if overrides is None:
+        return
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    with hydra_session():
+        try:
+            parsed = parser().parse_overrides(overrides)
+        except OverrideParseException as err:
+            raise ConfigError(f"cannot parse the overrides {' '.join(overrides)}: {str(err).splitlines()[0]}") from None
+        sweeps = [o for o in parsed if o.is_sweep_override()]
+        if sweeps and not multirun:
+            raise ConfigError(f"{sweeps[0].input_line} gives several values: add -m to run one job per value, "
+                              "or write key=[a,b] for a list value")
+        lists = variants(parsed)
+        composed = [compose_or_explain(overrides_, parsed) for overrides_ in lists]
+        check_additions(parsed, lists[0])
+        if not any(a in VALUE_FLAGS[:2] for a in args) and DRY_RUN not in args:  # these write nothing
+            task = [o.input_line for o in parsed if not o.key_or_group.startswith(("hydra.", "hydra/"))]
+            check_output(composed[0], task, multirun)

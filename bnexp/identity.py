@@ -1,0 +1,98 @@
+"""Run identity: which settings decide a run's result, its directory name and its fingerprint.
+
+A run directory is named after the command-line overrides that change the result
+(:func:`run_name`), and its ``summary.json`` records the fingerprint of the resolved config
+without the settings that do not (:func:`fingerprint`). Re-running a command finds the
+directory again; "completed" means completed with the same fingerprint, and a finished run
+with another one is an error naming the keys that differ (:func:`differences`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Iterable, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+# Settings that do not change what a run computes: where it logs, how often it saves or
+# prints, which device it runs on, how data is fetched. A key covers its whole subtree.
+NON_RESULT_KEYS = (
+    "logger",
+    "tags",
+    "trainer.resume",
+    "trainer.device",
+    "trainer.log_every",
+    "trainer.checkpoint_every",
+    "trainer.checkpoint_unit",
+    "trainer.keep_checkpoints",
+    "data.download",
+    "data.verify",
+    "data.num_workers",
+)
+# Group choices left out of directory names only: a preset names its own sweep folder, and
+# what either sets is in the config (so in the fingerprint).
+NAME_ONLY_KEYS = ("experiment", "scale")
+MAX_NAME = 200  # file names may be 255 bytes; leave room
+FINGERPRINT_CHARS = 16
+
+
+def _covered(key: str, prefixes: Iterable[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def is_non_result(key: str) -> bool:
+    """Whether a config key is one of :data:`NON_RESULT_KEYS` (or under one)."""
+    return _covered(key, NON_RESULT_KEYS)
+
+
+def override_key(line: str) -> str:
+    """The config key an override sets: ``+trainer.epoch=3`` -> ``trainer.epoch``."""
+    return line.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+
+
+def short_hash(text: str, chars: int = 12) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:chars]
+
+
+def run_name(overrides: Iterable[str]) -> str:
+    """A directory name from a command line's overrides: those that change the result,
+    sorted and joined by commas (``model=vgg16,norm=cbn``); ``defaults`` for none. Stable,
+    so re-running a command finds its directory; cut and given a short hash when long."""
+    lines = sorted(str(o) for o in overrides if not _covered(override_key(str(o)), NON_RESULT_KEYS + NAME_ONLY_KEYS))
+    name = ",".join(lines).replace("/", "_")
+    if not name:
+        return "defaults"
+    if len(name) <= MAX_NAME:
+        return name
+    return f"{name[: MAX_NAME - 13]}-{short_hash(name)}"
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as dotted keys: ``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
+    if not isinstance(node, Mapping):
+        return {prefix: node}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def result_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """The resolved config as dotted keys, without the settings that do not change the result."""
+    tree = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    tree.pop("hydra", None)
+    return {k: v for k, v in flatten(tree).items() if not _covered(k, NON_RESULT_KEYS)}
+
+
+def fingerprint(cfg: DictConfig | Mapping[str, Any]) -> str:
+    """A short hash of :func:`result_config`: equal for runs that compute the same thing."""
+    return short_hash(json.dumps(result_config(cfg), sort_keys=True, default=str), FINGERPRINT_CHARS)
+
+
+def differences(there: Mapping[str, Any], here: Mapping[str, Any], limit: int = 6) -> str:
+    """The keys whose values differ between two configs, as ``key: A there, B here``."""
+    a, b = result_config(there), result_config(here)
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k, "<unset>") != b.get(k, "<unset>"))
+    text = "; ".join(f"{k}: {a.get(k, '<unset>')!r} there, {b.get(k, '<unset>')!r} here" for k in keys[:limit])
+    return text + (f"; and {len(keys) - limit} more" if len(keys) > limit else "")

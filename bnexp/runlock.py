@@ -1,0 +1,106 @@
+"""One writer per run directory: ``<run>/.lock``, holding the owner's PID and host.
+
+The lock is created with ``O_CREAT | O_EXCL`` (atomic on local and NFSv3+ file systems)
+before anything is written to the directory, and removed when the run ends however it
+ends. A lock left by a process that no longer exists on this host (SIGKILL, a crash) is
+stale: it is taken over with a warning. A lock held from another host cannot be checked
+from here; the error says which host and how to clear it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Optional
+
+from bnexp.errors import EXIT_LOCKED, BnexpError
+
+log = logging.getLogger("bnexp.lock")
+
+LOCK_NAME = ".lock"
+HELD_ENV = "BNEXP_HELD_LOCK"  # set for the torchrun ranks of a run whose lock their launcher holds
+
+
+class RunLocked(BnexpError):
+    """Another process is writing to this run directory."""
+
+    exit_code = EXIT_LOCKED
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
+def read_owner(path: Path) -> dict[str, Any]:
+    """The owner a lock file names (empty when unreadable: half-written by a crashed writer)."""
+    try:
+        owner = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return owner if isinstance(owner, dict) else {}
+
+
+class RunLock:
+    """Context manager holding ``<run_dir>/.lock`` (a no-op when this process's launcher holds it)."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
+        self.path = run_dir / LOCK_NAME
+        self.enabled = enabled  # False for torchrun ranks above 0: rank 0 holds the run's lock
+        self.held = False
+
+    def inherited(self) -> bool:
+        """Whether the process that started this one (bnexp's torchrun launcher) holds the lock."""
+        return os.environ.get(HELD_ENV) == str(self.path.resolve())
+
+    def acquire(self) -> None:
+        """Take the lock, or raise :class:`RunLocked` naming its live owner."""
+        if not self.enabled or self.inherited():
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        for _ in range(2):  # a second try after clearing a stale lock
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._clear_stale(me["host"])
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise RunLocked(f"{self.path.parent} is locked by a process that started while this one cleared a stale lock")
+
+    def _clear_stale(self, host: str) -> None:
+        """Remove a lock whose owner is gone; raise :class:`RunLocked` when it is alive or unknown."""
+        owner = read_owner(self.path)
+        pid, their_host = owner.get("pid"), owner.get("host")
+        if their_host == host and isinstance(pid, int) and not _alive(pid):
+            log.warning("removing the stale lock %s of process %d, which no longer runs", self.path, pid)
+            self.path.unlink(missing_ok=True)
+            return
+        who = f"process {pid} on {their_host}" if pid else "a process that left an unreadable lock file"
+        raise RunLocked(f"{self.path.parent} is being written by {who} ({self.path}); wait for it to finish, "
+                        f"or, if that process is gone, delete {self.path} and run again")
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def __enter__(self) -> "RunLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, kind: Optional[type[BaseException]], err: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        self.release()
