@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BNEXP := $(VENV)/bin/bnexp
 STAMP := $(VENV)/.bnexp-installed
 
-.PHONY: install test demo clean
+.PHONY: install test demo clean wheels install-offline gpu-check
 
 install: $(STAMP)
 
@@ -38,6 +38,29 @@ demo: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# ---- A GPU node without internet (docs/speed.md) -----------------------------------
+# `make wheels`, where pip can reach an index, with the node's Python version: every
+# dependency except torch and torchvision (plus setuptools and wheel) into wheels/. Copy
+# the clone to the node; there `make install-offline` installs from wheels/ alone into a
+# venv that sees the node's own CUDA PyTorch (>= 2.11) and leaves it as it is, and
+# `make gpu-check` validates bnexp on its GPU (results/gpu-check/).
+WHEELS ?= wheels
+
+wheels:
+	$(PYTHON) -m pip wheel -w $(WHEELS) setuptools wheel $$($(PYTHON) scripts/offline_requirements.py)
+
+install-offline:
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	@$(PY) -c "import torch, torchvision; print('using the installed torch', torch.__version__, 'CUDA', torch.version.cuda)" \
+		|| { echo "install-offline keeps the node's PyTorch, and found none: install torch>=2.11 and torchvision>=0.26 first"; exit 1; }
+	$(PY) -m pip install --no-index --find-links $(WHEELS) setuptools wheel $$($(PYTHON) scripts/offline_requirements.py)
+	$(PY) -m pip install --no-index --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+# On a machine with wheels/ the offline install, otherwise the usual one.
+gpu-check: $(if $(wildcard $(WHEELS)/*.whl),install-offline,install)
+	$(PY) -m bnexp.bench.gpu_check
 
 # ---- Reproducing the papers (docs/experiments.md) ----------------------------------
 # `make reproduce-<paper>-<name>` runs the preset configs/experiment/<paper>/<name>.yaml

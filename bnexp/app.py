@@ -24,14 +24,13 @@ from omegaconf import DictConfig, OmegaConf
 from bnexp.commands import print_error
 from bnexp.config import config_dir, meaningless, register_resolvers, validate
 from bnexp.distributed import from_environment
-from bnexp.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED, BnexpError, ConfigError
+from bnexp.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, ConfigError
 from bnexp.launch import rank_overrides
-from bnexp.preemption import Preempted
+from bnexp.preemption import STOP_EXIT_CODES, Preempted
 from bnexp.runlock import RunLock, RunLocked
 
 log = logging.getLogger("bnexp")
 
-STOPPED = {"preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED}  # statuses of a run stopped on a signal
 
 
 def report_error(message: str, details: str = "", to_log: bool = True) -> None:
@@ -72,9 +71,8 @@ def train_job(cfg: DictConfig) -> float | None:
         report_error(f"stopped by Ctrl-C; re-run the same command to resume {run_dir}")
         sys.exit(EXIT_INTERRUPTED)
     except BnexpError as err:
-        locked = isinstance(err, RunLocked)
-        record(run_dir, "locked" if locked else "failed", str(err))
-        report_error(str(err), to_log=not locked)
+        record(run_dir, "locked" if isinstance(err, RunLocked) else "failed", str(err))
+        report_error(str(err), to_log=err.in_run_log)
         if not sweeping:
             sys.exit(err.exit_code)
         return None
@@ -130,9 +128,9 @@ def _launch_processes(nproc: int, overrides: list[str], run_dir: Path, sweeping:
     code = run_under_torchrun(nproc, overrides, run_dir)
     status, error = job_status(run_dir)
     log.info("%s: %d processes exited with %d, status %s", run_dir, nproc, code, status)
-    if status in STOPPED:  # the ranks checkpointed on a signal: stop a sweep too
+    if status in STOP_EXIT_CODES:  # the ranks checkpointed on a signal: stop a sweep too
         record(run_dir, status, error)
-        sys.exit(STOPPED[status])
+        sys.exit(STOP_EXIT_CODES[status])
     if code != 0 and not sweeping:
         sys.exit(code)
     return status

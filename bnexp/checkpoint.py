@@ -37,22 +37,29 @@ def checksum_path(path: Path) -> Path:
 
 def save(payload: dict[str, Any], path: Path) -> None:
     """``torch.save`` through :func:`atomic_write`, then the digest file beside it. A failure
-    between the two leaves a checkpoint whose digest does not match: it counts as damaged."""
+    between the two leaves a checkpoint whose digest does not match: it counts as damaged.
+    A folder made for it and left empty by a failure is removed."""
+    made = not path.parent.exists()
     path.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    data = buffer.getvalue()
-    checksum_path(path).unlink(missing_ok=True)
-    atomic_write(path, lambda f: f.write(data))
-    line = f"{hashlib.sha256(data).hexdigest()}  {path.name}\n"
-    atomic_write(checksum_path(path), lambda f: f.write(line.encode()))
+    try:
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        data = buffer.getvalue()
+        checksum_path(path).unlink(missing_ok=True)
+        atomic_write(path, lambda f: f.write(data))
+        line = f"{hashlib.sha256(data).hexdigest()}  {path.name}\n"
+        atomic_write(checksum_path(path), lambda f: f.write(line.encode()))
+    except BaseException:
+        if made and not any(path.parent.iterdir()):
+            path.parent.rmdir()
+        raise
 
 
 def capture_rng() -> dict[str, Any]:
     """The state of every random generator a training step may draw from."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # the current device's only: another machine may show fewer GPUs
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -61,7 +68,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def periodic_path(run_dir: Path, step: int) -> Path:

@@ -178,10 +178,14 @@ def check_command_line(args: Sequence[str]) -> None:
     """Compose what ``bnexp train ARGS`` would run; raise ConfigError for an unknown group
     option, group or key, an unknown ``+key``, a sweep without ``-m``, an unparsable override
     or an output folder that cannot be written."""
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    shown = [a for a in args if a.split("=", 1)[0] in ("--cfg", "-c", "--info", "-i")]
+    if multirun and shown:
+        raise ConfigError(f"{shown[0]} shows the config of one job and cannot be used with -m: leave out -m (and "
+                          "give one value per key) to see a job's config, or use -m --dry-run to list a sweep's jobs")
     overrides = overrides_of(args)
     if overrides is None:
         return
-    multirun = any(a in ("-m", "--multirun") for a in args)
     with hydra_session():
         try:
             parsed = parser().parse_overrides(overrides)

@@ -21,6 +21,7 @@ from bnexp.norms import NORM_LAYERS, uses_batch_statistics
 
 DEVICES = ("auto", "cpu", "cuda")
 UNITS = ("epoch", "step")
+CHECKPOINT_UNITS = (*UNITS, "minute")  # minutes of wall time: bnexp/trainer.py CheckpointClock
 RESUME_MODES = ("auto", "never")  # or the path of a checkpoint file
 
 
@@ -52,11 +53,12 @@ def is_group(o: Override) -> bool:
 
 
 def register_resolvers() -> None:
-    """OmegaConf resolvers the config tree uses (``${run_name:...}``, ``${sweep_name:...}``, ``${bnp_lr:...}``)."""
-    from bnexp.identity import run_name
+    """OmegaConf resolvers the config tree uses (``${run_name:...}``, ``${cell_name:...}``,
+    ``${sweep_name:...}``, ``${bnp_lr:...}``)."""
+    from bnexp.identity import cell_name, run_name
     from bnexp.reference import bnp_lr
 
-    for name, resolver in (("run_name", run_name), ("bnp_lr", bnp_lr)):
+    for name, resolver in (("run_name", run_name), ("cell_name", cell_name), ("bnp_lr", bnp_lr)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver)
     # A sweep's folder is named once, from the sweep's command line: Hydra copies a cached
@@ -182,7 +184,10 @@ def validate(cfg: DictConfig) -> None:
         raise unknown_choice("trainer.eval_unit", cfg.trainer.eval_unit, UNITS)
     _number(cfg, "trainer.checkpoint_every", lambda v: v >= 0, "a number >= 0 (0 disables checkpoints)")
     _number(cfg, "trainer.keep_checkpoints", lambda v: v >= 1, "an integer >= 1", integer=True)
-    if cfg.trainer.checkpoint_unit not in UNITS:
-        raise unknown_choice("trainer.checkpoint_unit", cfg.trainer.checkpoint_unit, UNITS)
+    if cfg.trainer.checkpoint_unit not in CHECKPOINT_UNITS:
+        raise unknown_choice("trainer.checkpoint_unit", cfg.trainer.checkpoint_unit, CHECKPOINT_UNITS)
+    for key in ("trainer.tf32", "trainer.deterministic"):
+        if not isinstance(OmegaConf.select(cfg, key), bool):
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} is not valid: use true or false")
     if cfg.schedule.get("unit", "epoch") not in UNITS:
         raise unknown_choice("schedule.unit", cfg.schedule.unit, UNITS)

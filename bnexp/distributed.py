@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -137,10 +137,22 @@ def synced_var_mean(var: Tensor, mean: Tensor, count: int) -> tuple[Tensor, Tens
     return grand_var.to(var.dtype), grand_mean.to(mean.dtype)
 
 
-def bnp_reducer(mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
-    """BNP's batch statistics of a layer input, combined over processes (equal batch sizes)."""
-    var, mean = synced_var_mean(var, mean, 1)
-    return mean, var
+def bnp_reducer(means: Sequence[Tensor], variances: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """BNP's batch statistics of every layer input, combined over processes (equal batch
+    sizes) in one all-reduce of the means and second moments, in float64."""
+    if world_size() == 1:
+        return list(means), list(variances)
+    flat = torch.cat([t.double().reshape(-1) for m, v in zip(means, variances) for t in (m, v + m.square())])
+    dist.all_reduce(flat)
+    flat /= world_size()
+    out_means, out_variances, offset = [], [], 0
+    for mean in means:
+        c = mean.numel()
+        grand_mean, second = flat[offset : offset + c], flat[offset + c : offset + 2 * c]
+        out_means.append(grand_mean.to(mean.dtype).view_as(mean))
+        out_variances.append((second - grand_mean.square()).clamp_min(0).to(mean.dtype).view_as(mean))
+        offset += 2 * c
+    return out_means, out_variances
 
 
 def average_buffers(model: nn.Module) -> None:

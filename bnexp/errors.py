@@ -13,6 +13,7 @@ class BnexpError(Exception):
     """A problem the user can fix; its message is printed as is."""
 
     exit_code = EXIT_FAILED
+    in_run_log = True  # also written to the run's train.log (not when the directory is another run's)
 
     def __init__(self, message: str) -> None:
         super().__init__(_from_worker(message, type(self)))
@@ -35,6 +36,12 @@ class ConfigError(BnexpError):
     """An impossible or unknown configuration value."""
 
     exit_code = EXIT_CONFIG
+
+
+class OtherRunThere(ConfigError):
+    """The run directory holds a run of other settings: nothing is written there."""
+
+    in_run_log = False
 
 
 class DataError(BnexpError):

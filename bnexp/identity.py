@@ -16,7 +16,9 @@ from typing import Any, Iterable, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 # Settings that do not change what a run computes: where it logs, how often it saves or
-# prints, which device it runs on, how data is fetched. A key covers its whole subtree.
+# prints, which device it runs on, whether data is downloaded and checked. A key covers
+# its whole subtree. (data.num_workers is not one: each DataLoader worker draws its own
+# augmentation.)
 NON_RESULT_KEYS = (
     "logger",
     "tags",
@@ -28,11 +30,10 @@ NON_RESULT_KEYS = (
     "trainer.keep_checkpoints",
     "data.download",
     "data.verify",
-    "data.num_workers",
 )
-# Group choices left out of directory names only: a preset names its own sweep folder, and
-# what either sets is in the config (so in the fingerprint).
-NAME_ONLY_KEYS = ("experiment", "scale")
+# Group choices left out of the names of a sweep's cells (:func:`cell_name`) only: a preset
+# names its own sweep folder, and what either sets is in the config (so in the fingerprint).
+PRESET_KEYS = ("experiment", "scale")
 MAX_NAME = 200  # file names may be 255 bytes; leave room
 FINGERPRINT_CHARS = 16
 
@@ -55,17 +56,23 @@ def short_hash(text: str, chars: int = 12) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:chars]
 
 
-def run_name(overrides: Iterable[str]) -> str:
+def run_name(overrides: Iterable[str], leave_out: tuple[str, ...] = ()) -> str:
     """A directory name from a command line's overrides: those that change the result,
     sorted and joined by commas (``model=vgg16,norm=cbn``); ``defaults`` for none. Stable,
     so re-running a command finds its directory; cut and given a short hash when long."""
-    lines = sorted(str(o) for o in overrides if not _covered(override_key(str(o)), NON_RESULT_KEYS + NAME_ONLY_KEYS))
+    lines = sorted(str(o) for o in overrides if not _covered(override_key(str(o)), NON_RESULT_KEYS + leave_out))
     name = ",".join(lines).replace("/", "_")
     if not name:
         return "defaults"
     if len(name) <= MAX_NAME:
         return name
     return f"{name[: MAX_NAME - 13]}-{short_hash(name)}"
+
+
+def cell_name(overrides: Iterable[str]) -> str:
+    """The folder of one cell inside its sweep's folder: :func:`run_name` without the preset
+    choices, which the sweep folder already says."""
+    return run_name(overrides, PRESET_KEYS)
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -82,7 +89,12 @@ def result_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """The resolved config as dotted keys, without the settings that do not change the result."""
     tree = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     tree.pop("hydra", None)
-    return {k: v for k, v in flatten(tree).items() if not _covered(k, NON_RESULT_KEYS)}
+    return {k: _canonical(v) for k, v in flatten(tree).items() if not _covered(k, NON_RESULT_KEYS)}
+
+
+def _canonical(value: Any) -> Any:
+    """``1.0`` as ``1``: ``optim.lr=1`` and ``optim.lr=1.0`` are the same setting."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def fingerprint(cfg: DictConfig | Mapping[str, Any]) -> str:

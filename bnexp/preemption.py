@@ -22,6 +22,9 @@ from bnexp.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
 
+STOP_EXIT_CODES = {"preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED}  # the statuses of a stopped run
+
+
 class Preempted(Exception):
     """The run stopped on a signal after writing a checkpoint; re-run to resume."""
 
@@ -30,7 +33,7 @@ class Preempted(Exception):
         super().__init__(f"stopped by {name} after writing a checkpoint")
         self.signum = signum
         self.status = "interrupted" if signum == signal.SIGINT else "preempted"
-        self.exit_code = EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
+        self.exit_code = STOP_EXIT_CODES[self.status]
 
 
 class PreemptionGuard:

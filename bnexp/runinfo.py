@@ -25,22 +25,45 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
+
+
+def configure_backends(tf32: bool, deterministic: bool) -> dict[str, bool]:
+    """Set the process-wide float32 math of CUDA and cuDNN; returns what was set (for summary.json).
+
+    ``tf32``: float32 matrix products and convolutions may use TensorFloat-32 on Ampere and
+    newer GPUs (10-bit mantissa inputs, float32 accumulation). torch's own default lets cuDNN
+    convolutions use it and matrix products not; bnexp sets both the same way, so
+    ``trainer.amp=off trainer.tf32=false`` is IEEE float32 throughout. ``cudnn.benchmark``
+    (autotuned convolution algorithms) is on unless the run asks for deterministic kernels.
+    """
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = not deterministic
+    return {"tf32": tf32, "cudnn_benchmark": not deterministic}
 
 
 def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     """``auto`` picks CUDA when present; asking for CUDA without one is a config error.
 
-    A CUDA device is the current one (``torch.cuda.set_device``), or GPU ``local_rank``
-    for a process started by torchrun.
+    A CUDA device is the current one (``torch.cuda.set_device``), or, for a process started
+    by torchrun, GPU ``local_rank`` of the visible ones; where each process sees one GPU
+    (SLURM binding one GPU per task), that one.
     """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
-    if name == "cuda":
-        return torch.device("cuda", torch.cuda.current_device() if local_rank is None else local_rank)
-    return torch.device(name)
+    if name != "cuda":
+        return torch.device(name)
+    if local_rank is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    visible = torch.cuda.device_count()
+    if visible == 1:
+        return torch.device("cuda", 0)
+    if local_rank >= visible:
+        raise ConfigError(f"process of local rank {local_rank} sees {visible} GPUs: start at most {visible} "
+                          "processes per node (trainer.nproc), or make one GPU visible to each")
+    return torch.device("cuda", local_rank)
 
 
 def git_commit() -> str | None:

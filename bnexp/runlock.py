@@ -29,6 +29,7 @@ class RunLocked(BnexpError):
     """Another process is writing to this run directory."""
 
     exit_code = EXIT_LOCKED
+    in_run_log = False
 
 
 def _alive(pid: int) -> bool:
@@ -85,9 +86,20 @@ class RunLock:
         owner = read_owner(self.path)
         pid, their_host = owner.get("pid"), owner.get("host")
         if their_host == host and isinstance(pid, int) and not _alive(pid):
-            log.warning("removing the stale lock %s of process %d, which no longer runs", self.path, pid)
-            self.path.unlink(missing_ok=True)
-            return
+            # Renamed, not deleted: of several processes clearing it at once, one renames it,
+            # and none can delete the fresh lock another has just taken in its place.
+            moved = self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}")
+            try:
+                os.rename(self.path, moved)
+            except FileNotFoundError:  # another process cleared it first
+                return
+            if read_owner(moved) == owner:
+                log.warning("removing the stale lock %s of process %d, which no longer runs", self.path, pid)
+                moved.unlink()
+                return
+            os.rename(moved, self.path)  # a fresh lock: put it back
+            owner = read_owner(self.path)
+            pid, their_host = owner.get("pid"), owner.get("host")
         who = f"process {pid} on {their_host}" if pid else "a process that left an unreadable lock file"
         raise RunLocked(f"{self.path.parent} is being written by {who} ({self.path}); wait for it to finish, "
                         f"or, if that process is gone, delete {self.path} and run again")

@@ -22,14 +22,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from bnexp.config import lr_not_applicable
-from bnexp.checkpoint import FINAL, verified_bytes
-from bnexp.errors import EXIT_FAILED, ConfigError
-from bnexp.identity import differences, fingerprint, run_name
+from bnexp.checkpoint import FINAL, periodic_checkpoints, verified_bytes
+from bnexp.errors import EXIT_FAILED, ConfigError, OtherRunThere
+from bnexp.identity import cell_name, differences, fingerprint
+from bnexp.runlock import HELD_ENV
 
 Sweep = Mapping[str, Any]  # one sweep as a preset writes it: key -> value(s) in override syntax
 Values = dict[str, list[str]]  # one sweep parsed: key -> its values
@@ -135,13 +137,17 @@ def skip_reason(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     except (OSError, ValueError):
         return None
     status = summary.get("status")
-    if status not in FINISHED:
-        return None
+    finished = status in FINISHED
+    if not finished and (str(cfg.trainer.resume) != "auto" or not periodic_checkpoints(run_dir)):
+        return None  # nothing to skip or to resume from
     there = summary.get("config") or {}
     if fingerprint(there) != fingerprint(cfg):
-        raise ConfigError(f"{run_dir} holds a run {status} with other settings ({differences(there, cfg)}); "
-                          "nothing was changed there. Run with trainer.resume=never to replace it, or choose "
-                          "another directory (hydra.run.dir=... / hydra.sweep.dir=...)")
+        what = f"a run {status}" if finished else f"an unfinished run ({status}) to resume"
+        raise OtherRunThere(f"{run_dir} holds {what} with other settings ({differences(there, cfg)}); "
+                            "nothing was changed there. Run with trainer.resume=never to replace it, or choose "
+                            "another directory (hydra.run.dir=... / hydra.sweep.dir=...)")
+    if not finished:
+        return None
     return f"already {status} (trainer.resume=never runs it again){final_checkpoint_note(run_dir, summary)}"
 
 
@@ -165,7 +171,7 @@ def describe_jobs(jobs: Sequence[Job], sweep_dir: Path) -> str:
     """A sweep's jobs, one line each: the run directory, its status if it has run, the overrides."""
     lines = [f"{len(jobs)} jobs in {sweep_dir}:"]
     for job in jobs:
-        run_dir = sweep_dir / run_name(job)
+        run_dir = sweep_dir / cell_name(job)
         status = job_status(run_dir)[0] if (run_dir / "summary.json").is_file() else "to run"
         lines.append(f"  {run_dir}  [{status}]  {' '.join(job)}")
     return "\n".join(lines)
@@ -210,7 +216,7 @@ def _append(entry: dict[str, Any]) -> None:
     """One line of the running sweep's ledger; the sweep folder is made on the first line
     (a dry run makes none)."""
     ledger = os.environ.get(LEDGER_ENV)
-    if ledger:
+    if ledger and not os.environ.get(HELD_ENV):  # torchrun ranks: their launcher records the run
         Path(ledger).parent.mkdir(parents=True, exist_ok=True)
         with open(ledger, "a") as f:
             f.write(json.dumps(entry) + "\n")
@@ -250,6 +256,9 @@ class SweepReport(Callback):
     (after the report) when any cell is not done."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # The sweep folder's name reads ${hydra:overrides.task}, which Hydra only binds per
+        # job: bind the sweep's own config first, for this callback, the sweeper and the launcher.
+        HydraConfig.instance().set_config(config)
         os.environ[LEDGER_ENV] = str(Path(config.hydra.sweep.dir) / f".sweep-{uuid.uuid4().hex}.jsonl")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

@@ -30,8 +30,8 @@ from bnexp.config import RESUME_MODES, validate
 from bnexp.data import build_data
 from bnexp.data.loaders import build_loaders, drop_last
 from bnexp import distributed
-from bnexp.distributed import gather_objects, sum_over_ranks
-from bnexp.errors import ConfigError
+from bnexp.distributed import gather_objects, max_over_ranks, sum_over_ranks
+from bnexp.errors import ConfigError, OtherRunThere
 from bnexp.identity import differences, fingerprint
 from bnexp.loggers import logger_callback
 from bnexp.methods import method_callbacks
@@ -40,7 +40,7 @@ from bnexp.norms import uses_batch_statistics
 from bnexp.optim import build_optimizer, build_schedule, to_steps
 from bnexp.preemption import Preempted, PreemptionGuard
 from bnexp.probes.callback import probes_callback
-from bnexp.runinfo import MetricsWriter, resolve_device, seed_everything, version_stamp, write_json
+from bnexp.runinfo import MetricsWriter, configure_backends, resolve_device, seed_everything, version_stamp, write_json
 from bnexp.speed import Accelerated
 
 log = logging.getLogger("bnexp.train")
@@ -72,22 +72,35 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, num_cla
 
 
 class TrainMeter:
-    """Sums loss and correct predictions on the device; read (one sync) when reported."""
+    """Sums loss and correct predictions on the device (five small kernels a step, no sync;
+    the count of images stays on the host); read (one sync) when reported."""
 
     def __init__(self, device: torch.device) -> None:
-        self.sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss*n, correct, n
+        self.sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss*n, correct, n (filled on read)
+        self.count = 0
 
     def reset(self) -> None:
         self.sums.zero_()
+        self.count = 0
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
-        n = len(y)  # a Python number: no host-to-device copy per step
-        correct = logits.argmax(dim=1).eq(y).sum().double()
-        self.sums += torch.stack([loss.double() * n, correct, torch.full_like(correct, n)])
+        n = len(y)
+        self.sums[0].add_(loss, alpha=n)  # in float64
+        self.sums[1].add_(logits.argmax(dim=1).eq(y).sum())
+        self.count += n
+
+    def state(self) -> torch.Tensor:
+        """``[loss * n, correct, n]`` summed since the last reset (for checkpoints and reads)."""
+        self.sums[2].fill_(self.count)
+        return self.sums
+
+    def load(self, sums: torch.Tensor) -> None:
+        self.sums.copy_(sums)
+        self.count = int(sums[2])
 
     def read(self) -> tuple[float, float]:
         """(mean loss, accuracy in percent) over all processes since the last reset; NaN if non-finite."""
-        loss_sum, correct, n = sum_over_ranks(self.sums.clone()).tolist()
+        loss_sum, correct, n = sum_over_ranks(self.state().clone()).tolist()
         return (loss_sum / n, 100 * correct / n) if n else (float("nan"), float("nan"))
 
 
@@ -135,7 +148,7 @@ class Run:
             "step": s.step,
             "scaler": self.net.scaler.state_dict(),
             "rng": gather_objects(checkpoint.capture_rng()),  # one entry per process
-            "meter": self.meter.sums.cpu(),
+            "meter": self.meter.state().cpu(),
             "metrics": self.metrics.rows,
             "callbacks": {f"{i}:{type(cb).__name__}": cb.state_dict() for i, cb in enumerate(self.callbacks)},
             "seconds": self.seconds(),
@@ -151,7 +164,7 @@ class Run:
         if payload.get("scaler"):  # empty unless trainer.amp=fp16
             self.net.scaler.load_state_dict(payload["scaler"])
         checkpoint.restore_rng(payload["rng"][s.dist.rank])
-        self.meter.sums.copy_(payload["meter"])
+        self.meter.load(payload["meter"])
         self.metrics.restore(payload["metrics"])
         for row in payload["metrics"]:
             record_eval(self.summary, row)
@@ -181,7 +194,7 @@ class Run:
             if fingerprint(written_with) != fingerprint(cfg):
                 change = differences(written_with, cfg)
                 if mode == "auto":
-                    raise ConfigError(f"{found[0]} was written by a run with other settings ({change}): run with "
+                    raise OtherRunThere(f"{found[0]} was written by a run with other settings ({change}): run with "
                                       "trainer.resume=never to start over in this directory, or use another one")
                 log.warning("resuming from %s, written with other settings: %s", found[0], change)
             self.restore(found[1])
@@ -194,8 +207,8 @@ class Run:
         payload = self.payload()  # every process takes part (it gathers their RNG states)
         if not self.state.dist.is_main:
             return
-        if self.save(payload, checkpoint.periodic_path(run_dir, self.state.step), "training goes on, the previous "
-                     "checkpoint intact"):
+        if self.save(payload, checkpoint.periodic_path(run_dir, self.state.step), "training goes on (earlier "
+                     "checkpoints untouched)"):
             checkpoint.prune(run_dir, int(self.state.cfg.trainer.keep_checkpoints))
 
     def save(self, payload: dict[str, Any], path: Path, then: str) -> bool:
@@ -256,9 +269,35 @@ def train_step(net: Accelerated, optimizer: torch.optim.Optimizer, callbacks: li
     return logits, loss
 
 
+class CheckpointClock:
+    """When a periodic checkpoint is due: every N steps or epochs, or once N minutes of wall
+    time have passed since the last one (``unit="minute"``). Time is looked at every
+    ``check_every`` steps only, and under torchrun the processes agree on it (one
+    all-reduce of a flag then), so all of them checkpoint at the same step."""
+
+    now = staticmethod(time.monotonic)
+
+    def __init__(self, every: float, unit: str, steps_per_epoch: int, check_every: int) -> None:
+        self.seconds = 60.0 * every if unit == "minute" else None
+        self.steps = 0 if self.seconds is not None else to_steps(every, unit, steps_per_epoch)
+        self.check_every = check_every
+        self.last = self.now()
+
+    def due(self, step: int) -> bool:
+        if self.seconds is None:
+            return self.steps > 0 and step % self.steps == 0
+        if self.seconds <= 0 or step % self.check_every:
+            return False
+        return bool(max_over_ranks(int(self.now() - self.last >= self.seconds)))
+
+    def saved(self) -> None:
+        self.last = self.now()
+
+
 def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks: list[Callback]) -> None:
     """Train one run, writing metrics.csv and checkpoints; fill ``summary`` as it goes."""
     seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
+    summary["backends"] = configure_backends(cfg.trainer.tf32, cfg.trainer.deterministic)
     d = distributed.from_environment()
     device = resolve_device(cfg.trainer.device, d.local_rank if d.enabled else None)
     distributed.init_process_group(d, device)
@@ -294,8 +333,8 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
         cb.on_train_start(state)
     run.resume(str(cfg.trainer.resume))
     eval_every = max(1, to_steps(cfg.trainer.eval_every, cfg.trainer.eval_unit, state.steps_per_epoch))
-    ckpt_every = to_steps(cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_unit, state.steps_per_epoch)
     log_every = int(cfg.trainer.log_every)
+    clock = CheckpointClock(cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_unit, state.steps_per_epoch, log_every)
 
     model.train()
     stream = loaders.epochs_from(state.step)
@@ -334,15 +373,16 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
                 summary.update(status=stop.status, steps=state.step, epochs=round(state.epoch, 4))
                 guard.forward()
                 raise stop
-            if ckpt_every > 0 and state.step % ckpt_every == 0 and not last:
+            if not last and clock.due(state.step):
                 run.save_periodic()
+                clock.saved()
     bar.close()
     if not run.metrics.rows:
         run.evaluate(loaders.test, bundle.spec.num_classes, lr)
     summary.update(status=status, steps=state.step, epochs=round(state.epoch, 4))
     if status == "completed":
         payload = run.payload()
-        then = "the run's metrics and summary stand (status completed); its periodic checkpoints are kept"
+        then = "the run's metrics and summary stand (status completed); any periodic checkpoints are kept"
         if d.is_main and run.save(payload, run_dir / checkpoint.FINAL, then):
             checkpoint.prune(run_dir, 0)
     for cb in run.callbacks:

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import resource
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import torch
 
 from bnexp import checkpoint
 from bnexp.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, ConfigError
-from bnexp.identity import fingerprint, run_name
+from bnexp.identity import cell_name, fingerprint, run_name
 from bnexp.runlock import LOCK_NAME
 from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli, run_dir_of
 from tests.test_resilience import CrashAt, assert_same_run, cli_command, run_inprocess, wait_for_checkpoint
@@ -46,7 +44,8 @@ def test_rerun_with_other_settings_is_refused_and_changes_nothing(tmp_path: Path
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(train_args(tmp_path), capsys)[0] == 0
     run = tmp_path / "run"
-    before = {name: (run / name).read_bytes() for name in ("summary.json", "metrics.csv", "checkpoint.pt")}
+    before = {name: (run / name).read_bytes() for name in ("summary.json", "metrics.csv", "checkpoint.pt", "train.log",
+                                                           "config.yaml")}
     hydra_before = (run / ".hydra" / "overrides.yaml").read_text()
     for change in ("trainer.max_steps=5", "data.noise=0.5"):
         code, out = run_cli(train_args(tmp_path, change), capsys)
@@ -57,6 +56,17 @@ def test_rerun_with_other_settings_is_refused_and_changes_nothing(tmp_path: Path
         assert (run / ".hydra" / "overrides.yaml").read_text() == hydra_before
     code, out = run_cli(train_args(tmp_path, "trainer.max_steps=5", "trainer.resume=never"), capsys)
     assert code == 0 and read_summary(run)["steps"] == 5
+
+
+def test_unfinished_run_with_other_settings_is_refused_before_writing(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(RuntimeError):
+        run_inprocess(tmp_path / "run", ["trainer.max_steps=8"], [CrashAt(5)])
+    run = tmp_path / "run"
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    code, out = run_cli(train_args(tmp_path, "optim.lr=0.2"), capsys)
+    assert code == EXIT_CONFIG and "holds an unfinished run (failed) to resume with other settings (optim.lr: " in out
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
 
 def test_same_settings_rerun_is_skipped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -70,13 +80,15 @@ def test_same_settings_rerun_is_skipped(tmp_path: Path, capsys: pytest.CaptureFi
 def test_fingerprint_and_directory_name_follow_the_result_settings() -> None:
     base = compose_cfg(TINY)
     same = ["trainer.log_every=7", "trainer.checkpoint_every=3", "trainer.keep_checkpoints=5", "logger=tensorboard",
-            "trainer.resume=never", "data.num_workers=3"]
+            "trainer.resume=never"]
     assert fingerprint(compose_cfg([*TINY, *same])) == fingerprint(base)
-    for other in ("trainer.max_steps=5", "optim.lr=0.2", "data.noise=0.5", "trainer.amp=bf16"):
+    assert fingerprint(compose_cfg([*TINY, "optim.lr=1"])) == fingerprint(compose_cfg([*TINY, "optim.lr=1.0"]))
+    for other in ("trainer.max_steps=5", "optim.lr=0.2", "data.noise=0.5", "trainer.amp=bf16", "data.num_workers=2"):
         assert fingerprint(compose_cfg([*TINY, other])) != fingerprint(base), other
     assert fingerprint(compose_cfg(["data.root=/a"])) != fingerprint(compose_cfg(["data.root=/b"]))
     assert run_name(["norm=cbn", "data.root=/data/cifar", *same]) == "data.root=_data_cifar,norm=cbn"
-    assert run_name(["experiment=cbn/table1", "scale=quick"]) == "defaults"
+    assert run_name(["experiment=cbn/table1", "scale=quick"]) == "experiment=cbn_table1,scale=quick"
+    assert cell_name(["experiment=cbn/table1", "scale=quick", "act=tanh"]) == "act=tanh"  # in the preset's folder
     long = run_name([f"tags.x={'a' * 300}", "optim.lr=" + "1" * 300])
     assert len(long) <= 200 and long.startswith("optim.lr=111")
 
@@ -147,6 +159,7 @@ def test_full_disk_loses_checkpoints_not_the_run(tmp_path: Path) -> None:
     assert all("File too large" in e for e in errors)
     assert "the run's metrics and summary stand (status completed)" in (run / "train.log").read_text()
     assert len(read_metrics(run / "metrics.csv")) == 3 and not (run / "checkpoint.pt").exists()
+    assert not (run / checkpoint.CHECKPOINT_DIR).exists()  # no empty folder left
 
 
 @pytest.mark.parametrize("error", [OSError(28, "No space left on device"),
@@ -307,13 +320,20 @@ def table_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("|")]
 
 
-def test_dry_run_lists_cells_without_running(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_dry_run_lists_cells_without_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "sweep"
     code, out = run_cli(["reproduce", "popnorm/table2", "scale=quick", "dry_run=true", f"hydra.sweep.dir={root}"],
                         capsys)
     assert code == 0 and "4 jobs in" in out and out.count("[to run]") == 4 and not root.exists()
     code, out = run_cli(["train", "-m", *TINY, "act=relu,tanh", f"hydra.sweep.dir={root}", "--dry-run"], capsys)
     assert code == 0 and "2 jobs in" in out and str(root / "act=relu,") in out and not root.exists()
+    monkeypatch.chdir(tmp_path)  # the default folder, named after the command line
+    code, out = run_cli(["train", "-m", "act=relu,tanh", "norm=cbn", "--dry-run"], capsys)
+    assert code == 0, out
+    assert "2 jobs in results/multirun/act=relu,tanh,norm=cbn:" in out and not (tmp_path / "results").exists()
+    code, out = run_cli(["train", "-m", "act=relu,tanh", "--cfg", "job"], capsys)  # Hydra refuses the pair
+    assert code == EXIT_CONFIG and "--cfg shows the config of one job and cannot be used with -m" in out
 
 
 def test_each_adhoc_sweep_has_its_own_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -10,7 +10,7 @@ import pytest
 
 from bnexp.report.stability import collapsed
 from bnexp.studies.lrsearch import max_stable
-from tests.conftest import TINY, run_cli
+from tests.conftest import run_cli
 
 # real digits, so that a stable lr learns (a run that learns nothing counts as collapsed to chance)
 TOY = ["data=digits", "data.image_size=8", "data.channels=1", "model=mlp2x100", "model.width=16",

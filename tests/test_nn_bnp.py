@@ -157,18 +157,46 @@ def test_reduce_fn_sees_batch_statistics_before_the_running_update():
     layer = nn.Linear(3, 2).to(DT)
     seen = []
 
-    def reduce_fn(mean, var):
-        seen.append((mean.clone(), var.clone()))
-        return torch.ones_like(mean), torch.full_like(var, 2.0)
+    def reduce_fn(means, variances):
+        seen.append(([m.clone() for m in means], [v.clone() for v in variances]))
+        return [torch.ones_like(m) for m in means], [torch.full_like(v, 2.0) for v in variances]
 
     bnp = BNP(layer, rho=RHO, reduce_fn=reduce_fn)
     x = shifted((6, 3), 0)
-    layer(x)
-    torch.testing.assert_close(seen[0][0], x.mean(0))
-    torch.testing.assert_close(seen[0][1], x.var(0, unbiased=False))
+    layer(x).sum().backward()
+    assert not seen  # nothing reduced inside the forward
+    bnp.step()
+    torch.testing.assert_close(seen[0][0][0], x.mean(0))
+    torch.testing.assert_close(seen[0][1][0], x.var(0, unbiased=False))
     (state,) = bnp.layers()
     torch.testing.assert_close(state.mu, torch.full((3,), 1 - RHO, dtype=DT))
     torch.testing.assert_close(state.sigma2, torch.full((3,), RHO + 2 * (1 - RHO), dtype=DT))
+
+
+def test_reduce_fn_is_called_once_per_step_for_every_layer():
+    """Under DDP every layer's statistics go out in one call (one all-reduce per step, not
+    one per layer); an identity reduce_fn then gives exactly the statistics and gradients
+    of BNP without one, step after step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 2 * 2, 2)).to(DT)
+    fused_model = copy.deepcopy(model)
+    calls = []
+
+    def identity(means, variances):
+        calls.append(len(means))
+        return means, variances
+
+    plain, fused = BNP(model, rho=RHO), BNP(fused_model, rho=RHO, reduce_fn=identity)
+    for _ in range(3):
+        x = torch.randn(5, 2, 4, 4, dtype=DT)
+        for m, bnp in ((model, plain), (fused_model, fused)):
+            m.zero_grad()
+            m(x).square().sum().backward()
+            bnp.step()
+        for a, b in zip(model.parameters(), fused_model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
+    assert calls == [2, 2, 2]
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in fused.state_dict().items())
 
 
 def test_state_dict_round_trip_and_remove():

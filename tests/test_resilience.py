@@ -15,7 +15,7 @@ import torch
 from bnexp import checkpoint
 from bnexp.callbacks import Callback, TrainState
 from bnexp.errors import EXIT_FAILED, EXIT_PREEMPTED
-from bnexp.trainer import train
+from bnexp.trainer import CheckpointClock, train
 from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli, run_dir_of
 
 EXACT = ["trainer.deterministic=true", "trainer.eval_every=4", "trainer.eval_unit=step",
@@ -111,6 +111,32 @@ def test_crash_then_resume_matches_uninterrupted(tmp_path: Path) -> None:
     assert summary["status"] == "completed" and summary["resumed_from"].endswith("step-000000006.pt")
     assert_same_run(tmp_path / "reference", tmp_path / "resumed")
     assert not checkpoint.periodic_checkpoints(tmp_path / "resumed")  # pruned once completed
+
+
+class Clock(Callback):
+    """A wall clock that advances 25 s per training step, for CheckpointClock."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.seconds = 0.0
+        monkeypatch.setattr(CheckpointClock, "now", staticmethod(lambda: self.seconds))
+
+    def after_step(self, state: TrainState) -> None:
+        self.seconds += 25.0
+
+
+def test_checkpoints_by_wall_time_resume_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every minute of wall time (looked at every 2 steps): at 25 s a step, due at step 4
+    (100 s) and 8 (100 s after step 4); a crash after step 10 resumes from step 8."""
+    minutes = ["trainer.max_steps=12", "trainer.checkpoint_every=1", "trainer.checkpoint_unit=minute",
+               "trainer.log_every=2"]
+    run_inprocess(tmp_path / "reference", minutes)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_inprocess(tmp_path / "resumed", minutes, [Clock(monkeypatch), CrashAt(10)])
+    assert [p.name for p in checkpoint.periodic_checkpoints(tmp_path / "resumed")] == [
+        "step-000000008.pt", "step-000000004.pt"]
+    summary = run_inprocess(tmp_path / "resumed", minutes)
+    assert summary["resumed_from"].endswith("step-000000008.pt")
+    assert_same_run(tmp_path / "reference", tmp_path / "resumed")
 
 
 def test_truncated_newest_checkpoint_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -17,15 +17,15 @@ from bnexp import checkpoint
 from bnexp.callbacks import Callback, TrainState
 from bnexp.data import build_data
 from bnexp.data.arrays import ArrayData, cifar_transforms
-from bnexp.data.device import pad_crop_flip
+from bnexp.data.device import draws, pad_crop_flip
 from bnexp.data.loaders import build_loaders, loader_kind
 from bnexp.errors import ConfigError
 from bnexp.models import DataSpec, build_model
-from bnexp.nn import BNP, CBN2d, NormFamily2d, set_learning_rate
+from bnexp.nn import BNP, CBN2d, NormFamily2d, POPNorm2d, BatchRenorm2d, ScaleInvariantBN2d, set_learning_rate
 from bnexp.nn._base import affine, channel_sums, var_mean_per_channel
 from bnexp.speed import Accelerated, amp_mode
 from bnexp.trainer import train
-from tests.conftest import TINY, compose_cfg, read_metrics
+from tests.conftest import TINY, compose_cfg
 from tests.test_resilience import CrashAt, assert_same_run, run_inprocess
 
 CPU = torch.device("cpu")
@@ -100,7 +100,7 @@ def torchvision_draws(n: int) -> list[torch.Tensor]:
 
 
 def device_draws(n: int) -> torch.Tensor:
-    return pad_crop_flip(coordinate_image()[None].expand(n, -1, -1, -1), PAD, torch.Generator().manual_seed(0))
+    return pad_crop_flip(coordinate_image()[None].expand(n, -1, -1, -1), PAD, draws(n, PAD, torch.Generator().manual_seed(0)))
 
 
 def torchvision_crop(top: int, left: int, flipped: bool) -> torch.Tensor:
@@ -264,6 +264,42 @@ def test_bf16_first_step_is_within_its_rounding_bound(tmp_path: Path) -> None:
     assert not torch.equal(logits["bf16"], logits["off"])  # bf16 really was in use
 
 
+def bound_si(channels: int) -> ScaleInvariantBN2d:
+    norm = ScaleInvariantBN2d(channels)
+    norm.bind(nn.Conv2d(3, channels, 3, bias=False))
+    return norm
+
+
+@pytest.mark.parametrize("make", [CBN2d, POPNorm2d, BatchRenorm2d, bound_si,
+                                  lambda c: NormFamily2d(c, decouple=True, rho=2.0)],
+                         ids=["cbn", "popnorm", "brn", "bn_si", "decoupled"])
+@pytest.mark.parametrize("training", [True, False])
+def test_bf16_output_is_rounded_once(make, training: bool) -> None:
+    """A bf16 input of mean 3 and std 0.3 (|mean|/std = 10): every output element is the
+    float64 result on the same input, rounded once to bf16 (error <= u |y|, u = 2^-8 for
+    bf16's 8 significant bits), plus float32 work on operands at most about 11 times the
+    output (a few float32 ulps, far below 2^-16 of the largest output). Rounding the
+    per-channel shift ``beta - a * mean`` to bf16 instead (as this code did) is off by
+    about 10 u at the largest outputs, as is torch's BatchNorm2d with bf16 parameters."""
+    torch.manual_seed(0)
+    norm = make(8)
+    set_learning_rate(norm, 0.05)  # CBN's AMAT
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+        norm(torch.randn(16, 8, 6, 6) * 0.3 + 3.0)  # running statistics for eval mode
+    norm.train(training)
+    reference = copy.deepcopy(norm).double()
+    x = (torch.randn(16, 8, 6, 6) * 0.3 + 3.0).to(torch.bfloat16)
+    with torch.no_grad():
+        exact = reference(x.double())
+        y = norm(x)
+    assert y.dtype == torch.bfloat16
+    u = torch.finfo(torch.bfloat16).eps / 2
+    bound = u * exact.abs() + 2.0**-16 * exact.abs().max()
+    assert ((y.double() - exact).abs() <= bound).all()
+
+
 def test_norm_statistics_are_float32_under_autocast() -> None:
     x = torch.randn(8, 4, 5, 5).to(torch.bfloat16)
     exact_var, exact_mean = torch.var_mean(x.float(), (0, 2, 3), correction=0)
@@ -358,3 +394,27 @@ def test_amp_setting() -> None:
     with pytest.raises(ConfigError, match="unknown trainer.amp 'fp8'"):
         amp_mode("fp8")
     assert OmegaConf.select(compose_cfg([]), "trainer.amp") == "off"
+
+
+class HostReads(Callback):
+    """Counts the reads of tensor values by the host (``.item()``, ``float()``, ``.tolist()``)
+    in training steps 5-15, where no logging, evaluation or checkpoint falls."""
+
+    def after_step(self, state: TrainState) -> None:
+        if state.step == 5:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profiler.__enter__()
+        if state.step == 15:
+            self.profiler.__exit__(None, None, None)
+            self.count = sum(e.name == "aten::_local_scalar_dense" for e in self.profiler.events())
+
+
+@pytest.mark.parametrize("norm", ["bn", "cbn", "popnorm", "brn", "bnp"])
+def test_training_steps_never_wait_for_the_device(tmp_path: Path, norm: str) -> None:
+    """On a GPU each such read would stall the queue; with the device pipeline a step has none
+    (a step that logs, evaluates or checkpoints reads the loss once)."""
+    reads = HostReads()
+    quiet = ["trainer.max_steps=20", "trainer.log_every=1000", "trainer.eval_every=1000", "trainer.eval_unit=step",
+             "data.loader=device", f"norm={norm}"]
+    train(compose_cfg([*TINY, *quiet]), tmp_path, [reads])
+    assert reads.count == 0

@@ -6,9 +6,12 @@ whole batch in one gather) and normalized there: no worker processes, no per-sam
 Python, one small index copy per epoch.
 
 Indices come from the run's :class:`~bnexp.data.loaders.EpochSampler`, so the data order
-is the same as with ``data.loader=torch``. The augmentation draws from a generator
-re-seeded for every batch from (seed, epoch, rank, batch), so a resumed run recreates
-the same crops and flips without any saved state. Crops and flips follow torchvision's
+is the same as with ``data.loader=torch``: drawn once per epoch on the host as a tensor and
+copied to the device in one transfer. The crops and flips of a whole epoch are drawn at
+its start, on the device, from a generator seeded by (seed, epoch, rank): three kernels per
+epoch, and a batch takes its slice (no re-seeding, no host work, no random kernels per
+batch). The draws are a pure function of (seed, epoch, rank, position in the epoch), so a
+resumed run recreates the same crops and flips without any saved state. Crops and flips follow torchvision's
 ``RandomCrop(size, padding)`` + ``RandomHorizontalFlip()`` distribution and the
 normalization repeats ``ToDtype(float32, scale=True)`` + ``Normalize`` operation for
 operation, so evaluation batches are bit-identical between the two loaders.
@@ -31,23 +34,32 @@ if TYPE_CHECKING:
 Batch = tuple[Tensor, Tensor]
 
 
-def batch_seed(seed: int, epoch: int, rank: int, batch: int) -> int:
-    """The augmentation seed of one training batch: a pure function of its position."""
-    return int(np.random.SeedSequence([seed, epoch, rank, batch]).generate_state(1)[0])
+Draws = tuple[Tensor, Tensor, Tensor]  # crop top, crop left, flip: (N, 1) each
 
 
-def pad_crop_flip(images: Tensor, padding: int, generator: torch.Generator) -> Tensor:
-    """Randomly pad-crop and flip a batch (N, C, H, W) back to its own size.
+def epoch_seed(seed: int, epoch: int, rank: int) -> int:
+    """The augmentation seed of one epoch of one process: a pure function of its position."""
+    return int(np.random.SeedSequence([seed, epoch, rank, 1]).generate_state(1)[0])
 
-    Per image: a crop offset uniform in ``0..2*padding`` along each axis of the zero-padded
-    image, and a horizontal flip with probability 1/2. The flip is folded into the column
-    index, so cropping and flipping are one advanced-indexing gather.
-    """
-    n, c, h, w = images.shape
-    device = images.device
+
+def draws(n: int, padding: int, generator: torch.Generator) -> Draws:
+    """Crop offsets uniform in ``0..2*padding`` along each axis and flips of probability 1/2
+    for ``n`` images, on the generator's device."""
+    device = generator.device
     top = torch.randint(2 * padding + 1, (n, 1), generator=generator, device=device)
     left = torch.randint(2 * padding + 1, (n, 1), generator=generator, device=device)
     flip = torch.rand((n, 1), generator=generator, device=device) < 0.5
+    return top, left, flip
+
+
+def pad_crop_flip(images: Tensor, padding: int, drawn: Draws) -> Tensor:
+    """Pad-crop and flip a batch (N, C, H, W) back to its own size, image ``i`` by the
+    ``i``-th of ``drawn`` (:func:`draws`). The flip is folded into the column index, so
+    cropping and flipping are one advanced-indexing gather.
+    """
+    n, c, h, w = images.shape
+    device = images.device
+    top, left, flip = drawn
     rows = top + torch.arange(h, device=device)
     cols = torch.arange(w, device=device)
     cols = left + torch.where(flip, w - 1 - cols, cols)
@@ -77,12 +89,11 @@ class DeviceSplit:
     def __len__(self) -> int:
         return len(self.labels)
 
-    def batch(self, index: Tensor | slice, padding: Optional[int] = None,
-              generator: Optional[torch.Generator] = None) -> Batch:
-        """Normalized images and labels at ``index``, augmented when ``padding`` is given."""
+    def batch(self, index: Tensor | slice, padding: Optional[int] = None, drawn: Optional[Draws] = None) -> Batch:
+        """Normalized images and labels at ``index``, augmented by ``drawn`` when ``padding`` is given."""
         images = self.images[index]
         if padding is not None:
-            images = pad_crop_flip(images, padding, generator)
+            images = pad_crop_flip(images, padding, drawn)
         return normalize(images, self.mean, self.std), self.labels[index]
 
 
@@ -105,8 +116,9 @@ class TrainBatches:
     """The sampler's current epoch (from its offset on) in augmented batches.
 
     Iterating reads the sampler's epoch and offset, like a DataLoader over the same
-    sampler; batch ``k`` of the epoch is augmented from :func:`batch_seed` ``(seed, epoch,
-    rank, k)``. Offsets are whole batches (see ``Loaders.epochs_from``).
+    sampler; the epoch's crops and flips are drawn at its start from :func:`epoch_seed`
+    ``(seed, epoch, rank)``, and image ``i`` of the epoch takes draw ``i``. Offsets are whole
+    batches (see ``Loaders.epochs_from``).
     """
 
     def __init__(self, split: DeviceSplit, sampler: EpochSampler, batch_size: int, padding: Optional[int]) -> None:
@@ -121,12 +133,14 @@ class TrainBatches:
 
     def __iter__(self) -> Iterator[Batch]:
         s = self.sampler
-        indices = torch.tensor(list(s), dtype=torch.long).to(self.split.images.device, non_blocking=True)
-        first = s.offset // self.batch_size
-        for k, start in enumerate(range(0, len(indices), self.batch_size)):
-            if self.padding is not None:
-                self.generator.manual_seed(batch_seed(s.seed, s.epoch, s.rank, first + k))
-            yield self.split.batch(indices[start : start + self.batch_size], self.padding, self.generator)
+        indices = s.epoch_tensor()[s.offset :].to(self.split.images.device, non_blocking=True)
+        drawn: Optional[Draws] = None
+        if self.padding is not None:
+            self.generator.manual_seed(epoch_seed(s.seed, s.epoch, s.rank))
+            drawn = tuple(d[s.offset :] for d in draws(s.num_samples, self.padding, self.generator))
+        for start in range(0, len(indices), self.batch_size):
+            part = slice(start, start + self.batch_size)
+            yield self.split.batch(indices[part], self.padding, drawn and tuple(d[part] for d in drawn))
 
 
 def device_batches(data: ArrayData, cfg: Mapping[str, Any], sampler: EpochSampler, batch_size: int,

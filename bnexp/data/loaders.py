@@ -66,14 +66,18 @@ class EpochSampler(Sampler[int]):
         """Select the epoch to draw and how many of its samples were already consumed."""
         self.epoch, self.offset = epoch, offset
 
-    def epoch_indices(self) -> list[int]:
-        """This rank's whole share of the current epoch."""
+    def epoch_tensor(self) -> torch.Tensor:
+        """This rank's whole share of the current epoch, as a LongTensor on the host."""
         if self.shuffler is not None:
             self.shuffler.set_epoch(self.epoch)
-            return list(self.shuffler)[: self.num_samples]
+            return torch.tensor(list(self.shuffler)[: self.num_samples], dtype=torch.long)
         seed = int(np.random.SeedSequence([self.seed, self.epoch, self.rank]).generate_state(1)[0])
         g = torch.Generator().manual_seed(seed)
-        return torch.randint(self.size, (self.num_samples,), generator=g).tolist()
+        return torch.randint(self.size, (self.num_samples,), generator=g)
+
+    def epoch_indices(self) -> list[int]:
+        """This rank's whole share of the current epoch."""
+        return self.epoch_tensor().tolist()
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.epoch_indices()[self.offset :])

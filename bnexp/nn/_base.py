@@ -96,16 +96,22 @@ def channel_sums(g: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tens
 
 
 def affine(x: Tensor, a: Tensor, b: Optional[Tensor]) -> Tensor:
-    """``a * x + b`` with per-channel ``a`` and ``b``, in ``x``'s dtype: one ``addcmul``.
+    """``a * x + b`` with per-channel ``a`` and ``b``: one ``addcmul``, returned in ``x``'s dtype.
 
-    Eager on a CPU it is a multiply, then an in-place add: ``addcmul`` with the broadcast
-    ``b`` as its first operand runs two to three times slower there.
+    The arithmetic is in float32 at least: under mixed precision, ``b = beta - a * mean``
+    rounded to bf16 loses about log2(|mean| / std) bits (the same rounding on ``a``), so
+    a bf16 ``x`` is widened instead, as torch's BatchNorm does. Eager on a CPU it is a
+    multiply, then an in-place add: ``addcmul`` with the broadcast ``b`` as its first
+    operand runs two to three times slower there.
     """
-    a = per_channel(a, x).to(x.dtype)
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    wide = x.to(dtype)
+    a = per_channel(a, x).to(dtype)
     if b is None:
-        return x * a
-    b = per_channel(b, x).to(x.dtype)
-    return (x * a).add_(b) if cpu_eager(x) else torch.addcmul(b, x, a)
+        return (wide * a).to(x.dtype)
+    b = per_channel(b, x).to(dtype)
+    out = (wide * a).add_(b) if cpu_eager(x) else torch.addcmul(b, wide, a)
+    return out.to(x.dtype)
 
 
 def check_fraction(name: str, value: float) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -17,8 +17,9 @@ from torch.utils.hooks import RemovableHandle
 
 from bnexp.nn._base import check_fraction, var_mean_per_channel
 
-# (batch mean, batch variance) -> the same, e.g. averaged over DDP ranks.
-StatsReducer = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+# (batch means, batch variances) of every layer that saw a training input -> the same, e.g.
+# averaged over DDP ranks in one all-reduce (bnexp.distributed.bnp_reducer).
+StatsReducer = Callable[[Sequence[Tensor], Sequence[Tensor]], tuple[Sequence[Tensor], Sequence[Tensor]]]
 
 
 def preconditioner_matrix(mu: Tensor, s2: Tensor) -> Tensor:
@@ -73,20 +74,19 @@ class BNPLayer(nn.Module):
         return mean.to(self.mu.dtype), var.to(self.mu.dtype), count
 
     @torch.no_grad()
-    def observe(self, x: Tensor, reduce_fn: Optional[StatsReducer] = None, processes: int = 1) -> None:
-        """Steps 1-2 of METHODS.md section 4 for a training input ``x``.
+    def observe(self, x: Tensor) -> None:
+        """Steps 1-2 of METHODS.md section 4 for a training input ``x`` of this process alone."""
+        self.absorb(*self.batch_stats(x))
 
-        ``reduce_fn`` combines the batch statistics of ``processes`` equal shares of the batch
-        (DDP), which then count as one batch. Where the whole batch holds a single value per
-        feature (batch size 1, a Linear or a 1x1 map), its variance is ``(h - mu)^2`` around
-        the running mean; a one-value share of a larger batch enters the pooling with
-        variance 0 (it has no spread of its own).
+    @torch.no_grad()
+    def absorb(self, mean: Tensor, var: Tensor, count: int) -> None:
+        """The running update from a batch's statistics over ``count`` values per feature.
+
+        Where the whole batch holds a single value per feature (batch size 1, a Linear or a
+        1x1 map), its variance is ``(h - mu)^2`` around the running mean; a one-value share
+        of a larger batch enters the pooling over processes with variance 0 (it has no
+        spread of its own).
         """
-        mean, var, count = self.batch_stats(x)
-        if reduce_fn is not None:
-            mean, var = reduce_fn(mean, var)
-            count *= processes
-            self.batch_size *= processes
         if count == 1:
             var = (mean - self.mu).square()
         self.update(mean, var)
@@ -156,11 +156,12 @@ class BNPLayer(nn.Module):
 class BNP:
     """BNP on every Linear and Conv2d of ``model``.
 
-    Statistics update on training-mode forwards only. ``reduce_fn`` receives each layer's
-    batch ``(mean, var)`` before the running update and returns what to use (identity by
-    default; a DDP wrapper all-reduces here); ``processes`` is then the number of processes
-    whose batches form the global batch, so that ``q2`` uses the global batch size.
-    Create BNP after moving the model to its device.
+    Statistics update on training-mode forwards only. With ``reduce_fn`` (DDP), each
+    layer's batch ``(mean, var)`` is kept until :meth:`step` (or the layer's next forward),
+    which hands those of every layer to ``reduce_fn`` at once (one all-reduce per step, and
+    no collective inside the forward) and updates the running values with what it returns;
+    ``processes`` is then the number of processes whose equal shares form the global batch,
+    so that ``q2`` uses the global batch size. Create BNP after moving the model to its device.
     """
 
     def __init__(
@@ -177,6 +178,7 @@ class BNP:
             raise ValueError(f"eps1 and eps2 must be non-negative, got {eps1}, {eps2}")
         self.reduce_fn = reduce_fn
         self.processes = processes
+        self._pending: dict[BNPLayer, tuple[Tensor, Tensor, int]] = {}  # statistics awaiting reduce_fn
         self._pairs: list[tuple[nn.Module, BNPLayer]] = []
         self._handles: list[RemovableHandle] = []
         for name, module in model.named_modules():
@@ -188,8 +190,26 @@ class BNP:
             raise ValueError("BNP found no Linear or Conv2d layer in the model")
 
     def _observe(self, state: BNPLayer, module: nn.Module, args: tuple) -> None:
-        if module.training:
-            state.observe(args[0], self.reduce_fn, self.processes)
+        if not module.training:
+            return
+        if self.reduce_fn is None:
+            state.observe(args[0])
+            return
+        if state in self._pending:  # a second forward before the step: the first counts first
+            self._reduce_pending()
+        self._pending[state] = state.batch_stats(args[0])
+
+    @torch.no_grad()
+    def _reduce_pending(self) -> None:
+        """Combine the kept statistics of every layer over processes, then update each layer."""
+        if not self._pending:
+            return
+        states = list(self._pending)
+        means, variances = self.reduce_fn([self._pending[s][0] for s in states], [self._pending[s][1] for s in states])
+        for state, mean, var in zip(states, means, variances):
+            state.batch_size *= self.processes
+            state.absorb(mean, var, self._pending[state][2] * self.processes)
+        self._pending.clear()
 
     def layers(self) -> Iterator[BNPLayer]:
         """The per-layer states, in module order."""
@@ -197,6 +217,7 @@ class BNP:
 
     def step(self) -> None:
         """Precondition the gradients of every layer; call after backward (and any all-reduce)."""
+        self._reduce_pending()
         for module, state in self._pairs:
             state.precondition(module.weight, module.bias)
 

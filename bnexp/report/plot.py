@@ -18,10 +18,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from bnexp.commands import exit_on_error, split_options  # noqa: E402
+from bnexp.commands import exit_on_error  # noqa: E402
 from bnexp.errors import ConfigError  # noqa: E402
 from bnexp.report.layouts import Layout, same  # noqa: E402
-from bnexp.report.presets import Preset, load_preset, parse_command, preset_names  # noqa: E402
+from bnexp.report.presets import Preset, load_preset, parse_command, sweep_folder  # noqa: E402
 from bnexp.report.results import load_metrics, load_summaries  # noqa: E402
 from bnexp.report.table import choose, combos, preset_runs, select, varying  # noqa: E402
 
@@ -140,13 +140,9 @@ def plot_for(args: list[str]) -> None:
     """Draw what the command line asks for and print the files written."""
     from bnexp.probes.plot import plot_results  # the runs' probes.csv figures, if any
 
-    if args and args[0] not in preset_names() and Path(args[0]).is_dir():
-        results = Path(args[0])
-        given, extra = split_options(args[1:], SWEEP_OPTIONS)
-        if extra:
-            raise ConfigError(f"unknown option {extra[0].partition('=')[0]!r} for a sweep folder; options: "
-                              f"{', '.join(SWEEP_OPTIONS)}")
-        opts = {**SWEEP_OPTIONS, **given}
+    folder = sweep_folder(args, SWEEP_OPTIONS)
+    if folder:
+        results, opts = folder
         out = Path(opts["out"] or results / "plots")
         fig = draw_sweep(summaries(results), opts["metrics"].split(","), str(results))
         paths = save(fig, out, "sweep")

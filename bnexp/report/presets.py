@@ -41,6 +41,18 @@ GPU_SECONDS_PER_STEP = {
 QUICK_SECONDS_PER_RUN = 3.0  # measured on a busy 2-core CPU, runs in one process
 
 
+def sweep_folder(args: Sequence[str], defaults: Mapping[str, str]) -> tuple[Path, dict[str, str]] | None:
+    """``DIR key=value ...`` (a folder of runs, not a preset): the folder and its options over
+    ``defaults``; None when the first argument names a preset or is no folder."""
+    if not args or args[0] in preset_names() or not Path(args[0]).is_dir():
+        return None
+    given, extra = split_options(args[1:], defaults)
+    if extra:
+        raise ConfigError(f"unknown option {extra[0].partition('=')[0]!r} for a sweep folder; options: "
+                          f"{', '.join(defaults)}")
+    return Path(args[0]), {**defaults, **given}
+
+
 def preset_names() -> list[str]:
     """Every ``<paper>/<name>`` under configs/experiment, sorted."""
     root = config_dir() / "experiment"

@@ -20,11 +20,11 @@ from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
-from bnexp.commands import exit_on_error, split_options
+from bnexp.commands import exit_on_error
 from bnexp.errors import ConfigError, unknown_choice
 from bnexp.report.layouts import METRIC_LABELS, METRICS, Layout, same
 from bnexp.identity import differences, is_non_result
-from bnexp.report.presets import SEED, Preset, load_preset, parse_command, preset_names
+from bnexp.report.presets import SEED, Preset, load_preset, parse_command, sweep_folder
 from bnexp.reference import published
 from bnexp.report.results import load_summaries, seconds_per_epoch
 from bnexp.report.stability import largest_stable
@@ -331,12 +331,9 @@ def command(args: list[str]) -> None:
 
 def text_for(args: list[str]) -> str:
     """The table the command line asks for."""
-    if args and args[0] not in preset_names() and Path(args[0]).is_dir():
-        given, extra = split_options(args[1:], SWEEP_OPTIONS)
-        if extra:
-            raise ConfigError(f"unknown option {extra[0].partition('=')[0]!r} for a sweep folder; options: "
-                              f"{', '.join(SWEEP_OPTIONS)}")
-        return sweep_text(Path(args[0]), {**SWEEP_OPTIONS, **given})
+    folder = sweep_folder(args, SWEEP_OPTIONS)
+    if folder:
+        return sweep_text(*folder)
     usage = ("bnexp table <paper>/<name> [results=DIR] [format=markdown|latex|csv] [scale=full|quick], or "
              "bnexp table DIR [rows=KEY,...] [cols=KEY,...] [metric=top1]")
     name, options, overrides = parse_command(args, usage, {"results": "", "format": "markdown", "scale": "full"})

@@ -12,7 +12,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from bnexp.commands import exit_on_error, split_options
 from bnexp.config import check_published_lr, lr_not_applicable
-from bnexp.errors import ConfigError
+from bnexp.errors import ConfigError, OtherRunThere
+from bnexp.identity import differences, fingerprint
+from bnexp.runlock import RunLock
 from bnexp.config import hydra_session
 from bnexp.sweep import skip_reason
 
@@ -34,30 +36,26 @@ def list_option(text: str, convert: Callable[[str], T]) -> list[T]:
         raise ConfigError(f"cannot read {text!r} as a list: {err}") from None
 
 
-def result_settings(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved config less ``trainer.resume``, which does not change a run's result."""
-    settings = OmegaConf.to_container(cfg, resolve=True)
-    settings.get("trainer", {}).pop("resume", None)
-    return settings
-
-
 def run_or_reuse(cfg: DictConfig, run_dir: Path) -> tuple[dict[str, Any], bool]:
     """Train ``cfg`` in ``run_dir`` unless a finished run of the same config is there.
 
     Returns the run's summary and whether it was reused. As in a sweep
     (:func:`bnexp.sweep.skip_reason`), a completed or diverged run is reused unless
     ``trainer.resume=never``, and an unfinished one resumes from its checkpoint. A directory
-    holding another config is an error (the study's results would mix two settings).
+    holding another config (by :func:`bnexp.identity.fingerprint`) is an error (the study's
+    results would mix two settings). The run's lock is held throughout.
     """
     from bnexp.trainer import train
 
     check_published_lr(cfg)  # before a study starts training on a data set the paper never used
     saved = run_dir / "config.yaml"
-    if saved.is_file() and result_settings(OmegaConf.load(saved)) != result_settings(cfg):
-        raise ConfigError(f"{run_dir} holds a run with another config; use another out= directory or remove it")
-    reason = skip_reason(cfg, run_dir)
-    if reason is None:
-        return train(cfg, run_dir), False
+    if saved.is_file() and fingerprint(OmegaConf.load(saved)) != fingerprint(cfg):
+        raise OtherRunThere(f"{run_dir} holds a run with another config ({differences(OmegaConf.load(saved), cfg)}); "
+                            "use another out= directory or remove it")
+    with RunLock(run_dir):
+        reason = skip_reason(cfg, run_dir)
+        if reason is None:
+            return train(cfg, run_dir), False
     if lr_not_applicable(cfg):
         raise ConfigError(f"cannot train {run_dir}: {reason}; set optim.lr")
     return json.loads((run_dir / "summary.json").read_text()), True

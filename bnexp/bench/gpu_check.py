@@ -1,0 +1,127 @@
+"""``make gpu-check`` (``python -m bnexp.bench.gpu_check``): bnexp validated on the GPU at hand in one call.
+
+It runs, each as its own process so that one failure does not hide the others:
+
+1. the tests marked ``cuda`` (tests/test_cuda.py: every norm, BNP, the device loader and a
+   20-step training run on CUDA against the CPU in float64, bf16 against float32, eager
+   against compiled, resume bit-exactness, two nccl processes when two GPUs are visible)
+   and the CPU tests of the CUDA branches (tests/test_gpu_paths.py);
+2. ``bnexp bench norms|step|data|run`` at their full default sizes on the GPU (``run`` on
+   CIFAR-10-shaped synthetic data: no data set is needed);
+3. ResNet-20 with ``bn`` and with ``cbn`` for 3 CIFAR-10-sized epochs (50,000 synthetic
+   32x32 images; the per-step cost does not depend on what the pixels show) with bf16,
+   channels_last and compile, extrapolated to 120 epochs by ``bnexp bench run``.
+
+Everything goes to ``results/gpu-check/``: ``gpu-check.json`` (each check's command, exit
+code, seconds and output tail, the benchmark records, the extrapolated minutes) and
+``gpu-check.md``, a summary to paste into docs/benchmarks.md. The exit code is 1 if any
+check failed. Without a GPU only step 1 runs (the ``cuda`` tests are skipped, with the
+reason) and the exit code is 0 when it passes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+OUT = Path("results/gpu-check")
+TESTS = ("tests/test_cuda.py", "tests/test_gpu_paths.py")
+STEP_TIMEOUT_S = 300  # one check; the whole call is meant to fit in 10 minutes on one H100
+CIFAR_SHAPED = ("data=synthetic", "data.train_size=50000", "data.test_size=10000", "data.image_size=32")
+FAST = ("trainer.amp=bf16", "trainer.channels_last=true", "trainer.compile=true", "trainer.epochs=3")
+TARGET_NORMS = ("bn", "cbn")  # docs/benchmarks.md: <= 2 and <= 2.5 minutes for 120 epochs
+
+
+def bench(name: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "bnexp", "bench", *args, "device=cuda", f"out={OUT / f'{name}.json'}"]
+
+
+def checks(gpu: bool) -> list[tuple[str, list[str]]]:
+    """(name, command) of every check this machine can run."""
+    found = [("tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TESTS])]
+    if not gpu:
+        return found
+    found += [(f"bench-{what}", bench(f"bench-{what}", what)) for what in ("norms", "step", "data")]
+    found.append(("bench-run", bench("bench-run", "run", *CIFAR_SHAPED)))
+    found += [(f"resnet20-{norm}", bench(f"resnet20-{norm}", "run", "reps=1", *CIFAR_SHAPED, *FAST, f"norm={norm}"))
+              for norm in TARGET_NORMS]
+    return found
+
+
+def run_check(name: str, command: list[str]) -> dict[str, Any]:
+    """Run one check; its outcome and the last lines of its output."""
+    print(f"gpu-check: {name}: {' '.join(command)}", flush=True)
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+        code, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as err:
+        code, output = None, f"timed out after {STEP_TIMEOUT_S} s\n{err.stdout or ''}"
+    seconds = round(time.perf_counter() - started, 1)
+    tail = "\n".join(str(output).splitlines()[-15:])
+    print(tail, flush=True)
+    return {"name": name, "command": command, "ok": code == 0, "returncode": code, "seconds": seconds, "tail": tail}
+
+
+def records(name: str) -> list[dict[str, Any]]:
+    path = OUT / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def extrapolated_minutes(name: str) -> float | None:
+    found = [r.get("extrapolated_seconds") for r in records(name)]
+    return round(found[0] / 60, 2) if found and found[0] is not None else None
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The summary for docs/benchmarks.md."""
+    lines = [f"### gpu-check, {report['date']}, {report['device']}", "",
+             f"torch {report['torch']}, CUDA {report['cuda']}, python {report['python']}", "",
+             "| check | result | seconds |", "| --- | --- | --- |"]
+    lines += [f"| {c['name']} | {'pass' if c['ok'] else 'FAIL'} | {c['seconds']} |" for c in report["checks"]]
+    for norm, minutes in report["extrapolated_minutes"].items():
+        lines.append(f"\nResNet-20 {norm}, CIFAR-10-sized, 120 epochs (bf16, channels_last, compile): "
+                     f"{minutes} minutes (extrapolated)")
+    for name, rows in report["benchmarks"].items():
+        if rows:
+            lines += ["", f"{name}:", "", "| name | mode | seconds (median) | ratio |", "| --- | --- | --- | --- |"]
+            lines += [f"| {r.get('name')} | {r.get('mode')} | {r.get('seconds_median')} | {r.get('ratio')} |"
+                      for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    gpu = torch.cuda.is_available()
+    OUT.mkdir(parents=True, exist_ok=True)
+    if not gpu:
+        print("gpu-check: no CUDA device is visible: running the CPU-side checks only", flush=True)
+    results = [run_check(name, command) for name, command in checks(gpu)]
+    names = [name for name, _ in checks(gpu) if name != "tests"]
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if gpu else f"no GPU ({platform.processor() or platform.machine()})",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "checks": results,
+        "benchmarks": {name: records(name) for name in names},
+        "extrapolated_minutes": {norm: extrapolated_minutes(f"resnet20-{norm}") for norm in TARGET_NORMS if gpu},
+    }
+    (OUT / "gpu-check.json").write_text(json.dumps(report, indent=2, default=str))
+    text = markdown(report)
+    (OUT / "gpu-check.md").write_text(text)
+    print(text)
+    failed = [c["name"] for c in results if not c["ok"]]
+    if failed:
+        print(f"gpu-check: FAILED: {', '.join(failed)} (details in {OUT / 'gpu-check.json'})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

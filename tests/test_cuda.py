@@ -1,0 +1,153 @@
+"""bnexp on a CUDA GPU against the CPU (``make gpu-check`` runs these; skipped without a GPU).
+
+Float64 on both devices removes rounding from the comparison, so CUDA and CPU must agree to
+1e-10 relative (sums in another order cost a few ulps, 1e-15 each, over at most thousands of
+terms). bf16 is compared with float32 on the same device by the rounding bound of
+tests/test_speed_paths.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from bnexp.data.device import draws, pad_crop_flip
+from bnexp.models import DataSpec, build_model
+from bnexp.nn import BNP, CBN2d, NormFamily2d, POPNorm2d, BatchRenorm2d, set_learning_rate
+from tests.conftest import TINY, compose_cfg, run_cli
+from tests.test_resilience import CrashAt, assert_same_run, run_inprocess
+from tests.test_speed_paths import bound_si
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: run `make gpu-check` on a GPU")]
+
+CUDA = torch.device("cuda")
+RTOL = 1e-10
+NORMS: dict[str, Callable[[int], nn.Module]] = {
+    "torch_bn": nn.BatchNorm2d, "cbn": CBN2d, "popnorm": POPNorm2d, "brn": BatchRenorm2d, "bn_si": bound_si,
+    "decoupled": lambda c: NormFamily2d(c, decouple=True, rho=2.0), "gn": lambda c: nn.GroupNorm(2, c),
+}
+GPU_ON = ["trainer.device=cuda"]
+# Deterministic cuBLAS (trainer.deterministic=true) needs this before CUDA starts in this process.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a.cpu(), b.cpu(), rtol=RTOL, atol=RTOL * max(1.0, b.abs().max().item()))
+
+
+@pytest.mark.parametrize("name", NORMS)
+def test_norm_on_cuda_equals_cpu_in_float64(name: str) -> None:
+    torch.manual_seed(0)
+    cpu = NORMS[name](6).double()
+    gpu = copy.deepcopy(cpu).to(CUDA)
+    for step in range(3):  # AMAT and running statistics change between steps
+        set_learning_rate(cpu, 0.05)
+        set_learning_rate(gpu, 0.05)
+        x = torch.randn(8, 6, 5, 5, dtype=torch.float64) * 2 + 1
+        grad = torch.randn_like(x)
+        outs = []
+        for module, device in ((cpu, "cpu"), (gpu, CUDA)):
+            leaf = x.to(device).requires_grad_()
+            y = module(leaf)
+            y.backward(grad.to(device))
+            outs.append((y, leaf.grad))
+        close(outs[1][0], outs[0][0])
+        close(outs[1][1], outs[0][1])
+    for a, b in zip(cpu.state_dict().values(), gpu.state_dict().values()):  # running statistics, AMAT
+        if a.is_floating_point():
+            close(b, a)
+    for a, b in zip(cpu.parameters(), gpu.parameters()):
+        close(b.grad, a.grad)
+
+
+@pytest.mark.parametrize("name", ["cbn", "popnorm", "brn", "bn_si", "decoupled"])
+def test_bf16_on_cuda_is_rounded_once(name: str) -> None:
+    norm = NORMS[name](8).to(CUDA)
+    set_learning_rate(norm, 0.05)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    reference = copy.deepcopy(norm).double()
+    x = (torch.randn(16, 8, 6, 6, device=CUDA) * 0.3 + 3.0).to(torch.bfloat16)
+    with torch.no_grad():
+        exact = reference(x.double())
+        y = norm(x)
+    u = torch.finfo(torch.bfloat16).eps / 2
+    assert ((y.double() - exact).abs() <= u * exact.abs() + 2.0**-16 * exact.abs().max()).all()
+
+
+def train_steps(cfg: DictConfig, model: nn.Module, device: torch.device | str, steps: int = 20) -> nn.Module:
+    """``steps`` of SGD (momentum, weight decay; BNP when the norm is bnp) on fixed random
+    batches, in float64, as the trainer does them."""
+    model = model.to(device)
+    bnp = BNP(model, **cfg.norm.bnp) if cfg.norm.name == "bnp" else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(16, 3, 8, 8, generator=gen, dtype=torch.float64).to(device)
+        y = torch.randint(0, 10, (16,), generator=gen).to(device)
+        set_learning_rate(model, 0.05)  # CBN's AMAT
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if bnp is not None:
+            bnp.step()
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("norm", ["bn", "cbn", "popnorm", "bnp"])
+def test_twenty_training_steps_on_cuda_equal_cpu_in_float64(norm: str) -> None:
+    cfg = compose_cfg([*TINY, f"norm={norm}"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.norm, cfg.act.name, DataSpec(10, 3, 8)).double()
+    cpu = train_steps(cfg, copy.deepcopy(model), "cpu")
+    gpu = train_steps(cfg, model, CUDA)
+    for a, b in zip(cpu.state_dict().values(), gpu.state_dict().values()):
+        if a.is_floating_point():
+            close(b, a)
+
+
+def test_device_loader_augmentation_on_cuda() -> None:
+    """Each augmented image is its original, zero-padded by 4, cropped at some offset and
+    maybe flipped, and the gather on CUDA equals the CPU's for the same draws."""
+    images = torch.rand(16, 3, 8, 8, device=CUDA)
+    drawn = draws(16, 4, torch.Generator(CUDA).manual_seed(3))
+    out = pad_crop_flip(images, 4, drawn).cpu()
+    assert torch.equal(out, pad_crop_flip(images.cpu(), 4, tuple(d.cpu() for d in drawn)))
+    padded = nn.functional.pad(images.cpu(), (4, 4, 4, 4))
+    for original, augmented in zip(padded, out):
+        crops = [original[:, t:t + 8, s:s + 8] for t in range(9) for s in range(9)]
+        assert any(torch.equal(augmented, c) or torch.equal(augmented, c.flip(-1)) for c in crops)
+
+
+def test_compiled_norm_on_cuda_matches_eager() -> None:
+    torch.manual_seed(0)
+    eager = CBN2d(8).to(CUDA)
+    compiled = torch.compile(copy.deepcopy(eager))
+    for m in (eager, compiled):
+        set_learning_rate(m, 0.05)
+    x = torch.randn(16, 8, 6, 6, device=CUDA)
+    torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)  # float32: fused reductions reorder sums
+
+
+def test_resume_on_cuda_is_bit_exact(tmp_path: Path) -> None:
+    run_inprocess(tmp_path / "reference", [*GPU_ON, "trainer.max_steps=12"])
+    with pytest.raises(RuntimeError):
+        run_inprocess(tmp_path / "resumed", [*GPU_ON, "trainer.max_steps=12"], [CrashAt(7)])
+    run_inprocess(tmp_path / "resumed", [*GPU_ON, "trainer.max_steps=12"])
+    assert_same_run(tmp_path / "reference", tmp_path / "resumed")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs")
+def test_two_nccl_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_cli(["train", *[o for o in TINY if not o.startswith("trainer.device")], *GPU_ON,
+                         "trainer.nproc=2", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    assert code == 0, out

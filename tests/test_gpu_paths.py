@@ -1,0 +1,93 @@
+"""The CUDA branches of device choice and RNG checkpointing, run on the CPU with torch.cuda
+replaced by a stand-in (the GPU itself is tested by the ``cuda`` tests, tests/test_cuda.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bnexp import checkpoint
+from bnexp.errors import ConfigError
+from bnexp.runinfo import resolve_device
+from bnexp.trainer import train
+from tests.conftest import TINY, compose_cfg, read_summary
+
+
+class FakeCuda:
+    """torch.cuda as seen by one process: ``count`` visible GPUs, one RNG state each."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, count: int, current: int = 0) -> None:
+        self.states = {i: torch.tensor([i], dtype=torch.uint8) for i in range(count)}
+        self.current = current
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "device_count", lambda: count)
+        monkeypatch.setattr(cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(cuda, "get_rng_state", lambda device="cuda": self.states[self.current].clone())
+        monkeypatch.setattr(cuda, "set_rng_state", self.set_state)
+        for name in ("get_rng_state_all", "set_rng_state_all"):  # one state per visible GPU: not portable
+            monkeypatch.setattr(cuda, name, lambda *a: pytest.fail(f"torch.cuda.{name} called"))
+
+    def set_state(self, state: torch.Tensor, device: str = "cuda") -> None:
+        self.states[self.current] = state.clone()
+
+
+def test_checkpoint_keeps_the_current_gpus_rng_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saved on GPU 5 of 8 (a torchrun rank), restored where one GPU is visible."""
+    eight = FakeCuda(monkeypatch, count=8, current=5)
+    state = checkpoint.capture_rng()
+    assert torch.equal(state["cuda"], torch.tensor([5], dtype=torch.uint8))
+    one = FakeCuda(monkeypatch, count=1)
+    checkpoint.restore_rng(state)
+    assert torch.equal(one.states[0], torch.tensor([5], dtype=torch.uint8)) and eight.states[5][0] == 5
+
+
+@pytest.mark.parametrize(("visible", "local_rank", "expected"), [(8, 3, 3), (1, 3, 0), (1, 0, 0), (2, 1, 1)])
+def test_torchrun_rank_picks_a_visible_gpu(monkeypatch: pytest.MonkeyPatch, visible: int, local_rank: int,
+                                           expected: int) -> None:
+    """One GPU bound per task (SLURM): every rank uses the one it sees."""
+    FakeCuda(monkeypatch, count=visible)
+    assert resolve_device("cuda", local_rank) == torch.device("cuda", expected)
+
+
+def test_more_ranks_than_gpus_is_one_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeCuda(monkeypatch, count=2)
+    with pytest.raises(ConfigError, match="process of local rank 2 sees 2 GPUs"):
+        resolve_device("cuda", 2)
+
+
+@pytest.mark.parametrize(("tf32", "deterministic"), [(True, False), (False, True)])
+def test_tf32_and_cudnn_benchmark_follow_the_config(tmp_path: Path, tf32: bool, deterministic: bool) -> None:
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
+    try:
+        cfg = compose_cfg([*TINY, "trainer.max_steps=2", f"trainer.tf32={tf32}", f"trainer.deterministic={deterministic}"])
+        summary = train(cfg, tmp_path / "run")
+        assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
+        assert torch.backends.cudnn.benchmark is (not deterministic)
+        assert summary["backends"] == {"tf32": tf32, "cudnn_benchmark": not deterministic}
+        assert read_summary(tmp_path / "run")["backends"]["tf32"] is tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved
+
+
+def test_gpu_check_plans_every_check_and_summarizes_them() -> None:
+    from bnexp.bench.gpu_check import checks, markdown
+
+    assert [name for name, _ in checks(False)] == ["tests"]
+    plan = dict(checks(True))
+    assert list(plan) == ["tests", "bench-norms", "bench-step", "bench-data", "bench-run", "resnet20-bn",
+                          "resnet20-cbn"]
+    assert all("device=cuda" in command for name, command in plan.items() if name != "tests")
+    assert {"trainer.amp=bf16", "trainer.channels_last=true", "trainer.compile=true", "norm=cbn"} <= set(
+        plan["resnet20-cbn"])
+    report = {"date": "2026-11-23", "device": "NVIDIA H100", "torch": "2.11.0", "cuda": "13.0", "python": "3.12",
+              "checks": [{"name": "tests", "ok": True, "seconds": 60.0}, {"name": "bench-run", "ok": False,
+                                                                           "seconds": 300.0}],
+              "extrapolated_minutes": {"bn": 1.9}, "benchmarks": {"bench-run": [{"name": "run", "mode": "eager",
+                                                                                 "seconds_median": 2.0, "ratio": 1.1}]}}
+    text = markdown(report)
+    assert "| tests | pass | 60.0 |" in text and "| bench-run | FAIL | 300.0 |" in text
+    assert "ResNet-20 bn, CIFAR-10-sized, 120 epochs (bf16, channels_last, compile): 1.9 minutes" in text
+    assert "| run | eager | 2.0 | 1.1 |" in text
