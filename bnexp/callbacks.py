@@ -44,7 +44,7 @@ class TrainState:
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return float(self.optimizer.param_groups[0]["lr"])  # a 0-d tensor under trainer.compile
 
 
 class Callback:

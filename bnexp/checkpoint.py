@@ -68,7 +68,10 @@ def restore_rng(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        cuda = state["cuda"]
+        if isinstance(cuda, (list, tuple)):  # written before 2026-11-23: one state per visible GPU
+            cuda = cuda[torch.cuda.current_device()] if torch.cuda.current_device() < len(cuda) else cuda[0]
+        torch.cuda.set_rng_state(cuda)
 
 
 def periodic_path(run_dir: Path, step: int) -> Path:

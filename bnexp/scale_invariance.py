@@ -47,7 +47,7 @@ def weight_norms(weights: list[tuple[str, nn.Parameter]],
     weight, ``lr`` being that of the optimizer group holding it. ``lr / ||w||^2`` is a
     layer's effective learning rate; BN makes each filter ``w_k`` scale-invariant on its
     own, so ``lr / ||w_k||^2`` is the effective rate of Arora et al.'s analysis."""
-    lrs = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
+    lrs = {id(p): float(group["lr"]) for group in optimizer.param_groups for p in group["params"]}
     rows = []
     for name, w in weights:
         squares = filter_squares(w)

@@ -3,8 +3,9 @@
 ``trainer.amp`` (``off`` | ``bf16`` | ``fp16``) runs the forward under torch.autocast;
 fp16 also scales the loss with a GradScaler, whose state goes into checkpoints.
 ``trainer.channels_last`` stores the model's conv weights and image inputs in NHWC order.
-``trainer.compile`` compiles the forward (autocast included) with torch.compile. Under
-torchrun the model is wrapped in DistributedDataParallel before compilation.
+``trainer.compile`` compiles the forward (autocast included; AOTAutograd compiles its
+backward with it) and the optimizer step with torch.compile. Under torchrun the model is
+wrapped in DistributedDataParallel before compilation.
 :class:`Accelerated` wraps the model; the model itself stays an ordinary module, so its
 state_dict, the callbacks and the checkpoints never see the wrapper.
 """
@@ -51,6 +52,8 @@ class Accelerated(nn.Module):
                 self.model, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False
             )
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp == "fp16")
+        self.compiled = compile
+        self._step: Optional[tuple[Optimizer, Any]] = None  # (optimizer, its compiled step)
         if compile:
             # torch.compile by default does not guard on module hooks, so a graph traced for
             # one model would run for another of the same code with other hooks (or none),
@@ -82,6 +85,19 @@ class Accelerated(nn.Module):
         self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: Optimizer) -> None:
-        """The optimizer step (skipped by fp16 when a gradient overflowed) and scale update."""
-        self.scaler.step(optimizer)
-        self.scaler.update()
+        """The optimizer step (skipped by fp16 when a gradient overflowed) and scale update.
+
+        Compiled with ``compile`` (except under fp16, whose scaler decides per step whether
+        to step): each group's learning rate is then a 0-d tensor that the schedule updates
+        in place, so a new rate is a new input value, not a new graph.
+        """
+        if not self.compiled or self.scaler.is_enabled():
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            return
+        for group in optimizer.param_groups:  # again after a checkpoint restored float rates
+            if not isinstance(group["lr"], Tensor):
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64)
+        if self._step is None or self._step[0] is not optimizer:
+            self._step = (optimizer, torch.compile(optimizer.step))
+        self._step[1]()

@@ -2,8 +2,8 @@
 
 Float64 on both devices removes rounding from the comparison, so CUDA and CPU must agree to
 1e-10 relative (sums in another order cost a few ulps, 1e-15 each, over at most thousands of
-terms). bf16 is compared with float32 on the same device by the rounding bound of
-tests/test_speed_paths.py.
+terms). bf16 outputs are compared with the float64 result on the same input by the
+rounding bound of tests/test_speed_paths.py.
 """
 
 from __future__ import annotations
@@ -39,6 +39,15 @@ GPU_ON = ["trainer.device=cuda"]
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
+def on(device: torch.device | str, norm: nn.Module) -> nn.Module:
+    """A copy of ``norm`` on ``device``; ``bn_si`` bound to a copy of its conv there too (the
+    conv it reads is not its submodule: in a model the model moves it)."""
+    moved = copy.deepcopy(norm).to(device)
+    if hasattr(norm, "_op"):
+        moved.bind(copy.deepcopy(norm._op[0]).to(device))
+    return moved
+
+
 def close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a.cpu(), b.cpu(), rtol=RTOL, atol=RTOL * max(1.0, b.abs().max().item()))
 
@@ -46,8 +55,8 @@ def close(a: torch.Tensor, b: torch.Tensor) -> None:
 @pytest.mark.parametrize("name", NORMS)
 def test_norm_on_cuda_equals_cpu_in_float64(name: str) -> None:
     torch.manual_seed(0)
-    cpu = NORMS[name](6).double()
-    gpu = copy.deepcopy(cpu).to(CUDA)
+    cpu = on("cpu", NORMS[name](6)).double()
+    gpu = on(CUDA, cpu)
     for step in range(3):  # AMAT and running statistics change between steps
         set_learning_rate(cpu, 0.05)
         set_learning_rate(gpu, 0.05)
@@ -70,12 +79,12 @@ def test_norm_on_cuda_equals_cpu_in_float64(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["cbn", "popnorm", "brn", "bn_si", "decoupled"])
 def test_bf16_on_cuda_is_rounded_once(name: str) -> None:
-    norm = NORMS[name](8).to(CUDA)
+    norm = on(CUDA, NORMS[name](8))
     set_learning_rate(norm, 0.05)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
         norm.bias.uniform_(-0.5, 0.5)
-    reference = copy.deepcopy(norm).double()
+    reference = on(CUDA, norm).double()
     x = (torch.randn(16, 8, 6, 6, device=CUDA) * 0.3 + 3.0).to(torch.bfloat16)
     with torch.no_grad():
         exact = reference(x.double())
@@ -146,8 +155,21 @@ def test_resume_on_cuda_is_bit_exact(tmp_path: Path) -> None:
     assert_same_run(tmp_path / "reference", tmp_path / "resumed")
 
 
+def test_compiled_bf16_run_on_cuda_resumes_bit_exactly(tmp_path: Path) -> None:
+    """The fast path as gpu-check times it (compiled forward, backward and optimizer step with
+    a tensor learning rate, bf16, channels_last), crashed and resumed from its checkpoint."""
+    fast = [*GPU_ON, "trainer.max_steps=12", "trainer.compile=true", "trainer.amp=bf16", "trainer.channels_last=true",
+            "norm=cbn"]
+    run_inprocess(tmp_path / "reference", fast)
+    with pytest.raises(RuntimeError):
+        run_inprocess(tmp_path / "resumed", fast, [CrashAt(7)])
+    run_inprocess(tmp_path / "resumed", fast)
+    assert_same_run(tmp_path / "reference", tmp_path / "resumed")
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs")
-def test_two_nccl_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("norm", ["bn", "cbn", "bnp"])  # bnp: its one fused all-reduce per step over nccl
+def test_two_nccl_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str], norm: str) -> None:
     code, out = run_cli(["train", *[o for o in TINY if not o.startswith("trainer.device")], *GPU_ON,
-                         "trainer.nproc=2", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+                         f"norm={norm}", "trainer.nproc=2", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
     assert code == 0, out

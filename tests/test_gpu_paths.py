@@ -56,6 +56,19 @@ def test_more_ranks_than_gpus_is_one_message(monkeypatch: pytest.MonkeyPatch) ->
     FakeCuda(monkeypatch, count=2)
     with pytest.raises(ConfigError, match="process of local rank 2 sees 2 GPUs"):
         resolve_device("cuda", 2)
+    FakeCuda(monkeypatch, count=1)  # trainer.nproc=2 on a one-GPU machine
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="2 processes on this node would share its one visible GPU"):
+        resolve_device("cuda", 1)
+
+
+def test_checkpoint_of_every_visible_gpu_still_resumes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint written before 2026-11-23 holds one RNG state per visible GPU."""
+    fake = FakeCuda(monkeypatch, count=2, current=1)
+    state = checkpoint.capture_rng()
+    state["cuda"] = [torch.tensor([7], dtype=torch.uint8), torch.tensor([9], dtype=torch.uint8)]
+    checkpoint.restore_rng(state)
+    assert fake.states[1][0] == 9
 
 
 @pytest.mark.parametrize(("tf32", "deterministic"), [(True, False), (False, True)])

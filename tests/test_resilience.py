@@ -227,3 +227,15 @@ def test_sigterm_to_the_torchrun_launcher_reaches_the_ranks(tmp_path: Path) -> N
     summary = read_summary(run_dir)
     assert summary["status"] == "preempted" and summary["world_size"] == 2
     assert checkpoint.load(checkpoint.periodic_checkpoints(run_dir)[0])["step"] == summary["steps"]
+
+
+def test_resumed_run_keeps_every_time_probe_row(tmp_path: Path) -> None:
+    """The time probe reads its steps when a checkpoint is taken; those rows are in the file
+    before the checkpoint notes its length, so a resume neither loses nor repeats them."""
+    timed = ["trainer.max_steps=12", "probes=[time]", "probe.time.every=1"]
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_inprocess(tmp_path / "run", timed, [CrashAt(7)])
+    run_inprocess(tmp_path / "run", timed)
+    rows = [line.split(",") for line in (tmp_path / "run" / "probes.csv").read_text().splitlines()[1:]]
+    steps = [int(r[0]) for r in rows if r[3] == "data_s"]
+    assert steps == list(range(12))

@@ -211,6 +211,61 @@ def test_compiled_model_matches_eager() -> None:
         torch.testing.assert_close(compiled.model.state_dict()[key], value, rtol=1e-5, atol=1e-5, msg=key)
 
 
+def small_cbn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), CBN2d(4), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4 * SIZE * SIZE, 3))
+
+
+def test_compiled_step_matches_eager_and_is_traced_once() -> None:
+    """trainer.compile compiles the optimizer step too, its learning rate a tensor: after the
+    first two steps (the first creates the momentum buffers, so the second is traced again)
+    the milestone at step 2 changes the rate without a new graph, and the weights follow the
+    eager run's (to float32 rounding of reordered sums)."""
+    from torch._dynamo.utils import counters
+
+    runs = []
+    for compile_ in (False, True):
+        net = Accelerated(small_cbn_net(), CPU, compile=compile_)
+        opt = torch.optim.SGD(net.model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+        runs.append((net, opt, torch.optim.lr_scheduler.MultiStepLR(opt, [2], 0.1)))
+    for step in range(5):
+        x = torch.randn(6, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(step))
+        for net, opt, schedule in runs:
+            set_learning_rate(net.model, float(opt.param_groups[0]["lr"]))
+            opt.zero_grad()
+            net.backward(net(x).square().mean(), opt)
+            net.step(opt)
+            schedule.step()
+        if step == 1:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+    (eager, eager_opt, _), (compiled, compiled_opt, _) = runs
+    assert isinstance(compiled_opt.param_groups[0]["lr"], torch.Tensor)
+    assert float(compiled_opt.param_groups[0]["lr"]) == pytest.approx(eager_opt.param_groups[0]["lr"], rel=1e-12)
+    for a, b in zip(eager.model.parameters(), compiled.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_evaluation_is_one_graph_for_every_batch_size() -> None:
+    """The last, smaller test batch is padded with zero images (eval mode: each image on
+    its own) and the padding's logits dropped, so it needs no graph of its own."""
+    from torch._dynamo.utils import counters
+
+    from bnexp.trainer import evaluate
+
+    batches = [(torch.randn(n, 3, SIZE, SIZE), torch.randint(0, 3, (n,))) for n in (4, 4, 3)]
+    eager, compiled = Accelerated(small_cbn_net(), CPU), Accelerated(small_cbn_net(), CPU, compile=True)
+    for net in (eager, compiled):
+        set_learning_rate(net.model, 0.05)
+    evaluate(compiled, batches[:1], CPU, 3)  # traces the eval graph
+    graphs = counters["stats"]["unique_graphs"]
+    ours, reference = evaluate(compiled, batches, CPU, 3), evaluate(eager, batches, CPU, 3)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert ours["test_acc"] == reference["test_acc"]
+    assert ours["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-5)
+
+
 def test_compiled_models_run_their_own_hooks() -> None:
     def model() -> nn.Module:
         return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * (SIZE - 2) ** 2, 2))
@@ -275,12 +330,13 @@ def bound_si(channels: int) -> ScaleInvariantBN2d:
                          ids=["cbn", "popnorm", "brn", "bn_si", "decoupled"])
 @pytest.mark.parametrize("training", [True, False])
 def test_bf16_output_is_rounded_once(make, training: bool) -> None:
-    """A bf16 input of mean 3 and std 0.3 (|mean|/std = 10): every output element is the
-    float64 result on the same input, rounded once to bf16 (error <= u |y|, u = 2^-8 for
-    bf16's 8 significant bits), plus float32 work on operands at most about 11 times the
-    output (a few float32 ulps, far below 2^-16 of the largest output). Rounding the
-    per-channel shift ``beta - a * mean`` to bf16 instead (as this code did) is off by
-    about 10 u at the largest outputs, as is torch's BatchNorm2d with bf16 parameters."""
+    """A bf16 input of mean 3 and std 0.3 (|mean|/std = 10): every output element, and every
+    element of the input's gradient, is the float64 result on the same bf16 input (and
+    output gradient), rounded once to bf16 (error <= u |y|, u = 2^-8 for bf16's 8
+    significant bits), plus float32 work on operands at most about 11 times the result (a
+    few float32 ulps, far below 2^-16 of the largest). Rounding the per-channel shift
+    ``beta - a * mean`` to bf16 instead (as this code did) is off by about 10 u at the
+    largest outputs, as is torch's BatchNorm2d with bf16 parameters."""
     torch.manual_seed(0)
     norm = make(8)
     set_learning_rate(norm, 0.05)  # CBN's AMAT
@@ -291,13 +347,16 @@ def test_bf16_output_is_rounded_once(make, training: bool) -> None:
     norm.train(training)
     reference = copy.deepcopy(norm).double()
     x = (torch.randn(16, 8, 6, 6) * 0.3 + 3.0).to(torch.bfloat16)
-    with torch.no_grad():
-        exact = reference(x.double())
-        y = norm(x)
-    assert y.dtype == torch.bfloat16
+    grad = torch.randn(x.shape).to(torch.bfloat16)
+    leaves = [x.double().requires_grad_(), x.clone().requires_grad_()]
+    exact, y = reference(leaves[0]), norm(leaves[1])
+    for out, leaf in zip((exact, y), leaves):
+        out.backward(grad.to(out.dtype))
+    assert y.dtype == leaves[1].grad.dtype == torch.bfloat16
     u = torch.finfo(torch.bfloat16).eps / 2
-    bound = u * exact.abs() + 2.0**-16 * exact.abs().max()
-    assert ((y.double() - exact).abs() <= bound).all()
+    for ours, truth in ((y, exact), (leaves[1].grad, leaves[0].grad)):  # the output, then the input's gradient
+        bound = u * truth.abs() + 2.0**-16 * truth.abs().max()
+        assert ((ours.detach().double() - truth.detach()).abs() <= bound).all()
 
 
 def test_norm_statistics_are_float32_under_autocast() -> None:

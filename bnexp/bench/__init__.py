@@ -17,6 +17,7 @@ import torch
 
 from bnexp.bench.common import RECOMPILE_LIMIT, device_of, finish, parse
 from bnexp.commands import exit_on_error
+from bnexp.runinfo import configure_backends
 from bnexp.errors import ConfigError, unknown_choice
 
 SUBCOMMANDS = ("norms", "step", "data", "run")
@@ -38,6 +39,7 @@ def execute(args: list[str]) -> None:
     options, overrides = parse(args[1:], module.DEFAULTS, args[0] in ACCEPTS_OVERRIDES)
     if options.get("threads"):
         torch.set_num_threads(options["threads"])
+    configure_backends(tf32=False, deterministic=False)  # as a run with the trainer's defaults
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         records = module.bench(options, overrides)
     finish(records, options["out"], module.COLUMNS, device_of(options))

@@ -6,8 +6,9 @@ It runs, each as its own process so that one failure does not hide the others:
    20-step training run on CUDA against the CPU in float64, bf16 against float32, eager
    against compiled, resume bit-exactness, two nccl processes when two GPUs are visible)
    and the CPU tests of the CUDA branches (tests/test_gpu_paths.py);
-2. ``bnexp bench norms|step|data|run`` at their full default sizes on the GPU (``run`` on
-   CIFAR-10-shaped synthetic data: no data set is needed);
+2. ``bnexp bench norms|step|data|run`` on the GPU at the sizes the targets name (full-size
+   shapes; fewer models, norms and repetitions than the defaults, to fit the budget;
+   ``run`` on CIFAR-10-shaped synthetic data: no data set is needed);
 3. ResNet-20 with ``bn`` and with ``cbn`` for 3 CIFAR-10-sized epochs (50,000 synthetic
    32x32 images; the per-step cost does not depend on what the pixels show) with bf16,
    channels_last and compile, extrapolated to 120 epochs by ``bnexp bench run``.
@@ -16,14 +17,18 @@ Everything goes to ``results/gpu-check/``: ``gpu-check.json`` (each check's comm
 code, seconds and output tail, the benchmark records, the extrapolated minutes) and
 ``gpu-check.md``, a summary to paste into docs/benchmarks.md. The exit code is 1 if any
 check failed. Without a GPU only step 1 runs (the ``cuda`` tests are skipped, with the
-reason) and the exit code is 0 when it passes.
+reason) and the exit code is 0 when it passes; a machine with an NVIDIA device that torch
+cannot use (a driver older than the CUDA build wants) fails instead of passing as "no GPU".
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -34,7 +39,13 @@ import torch
 
 OUT = Path("results/gpu-check")
 TESTS = ("tests/test_cuda.py", "tests/test_gpu_paths.py")
-STEP_TIMEOUT_S = 300  # one check; the whole call is meant to fit in 10 minutes on one H100
+STEP_TIMEOUT_S = 240  # one check; the whole call is meant to fit in 10 minutes on one H100
+BENCH_SIZES = {  # the shapes the targets name, fewer variants than the defaults
+    "norms": ("nets=resnet20,resnet50", "reps=3"),
+    "step": ("models=resnet20", "norms=bn,popnorm,cbn,bnp,none", "reps=3", "trainer.amp=bf16",
+             "trainer.channels_last=true"),
+    "data": ("reps=3", "train_size=50000"),
+}
 CIFAR_SHAPED = ("data=synthetic", "data.train_size=50000", "data.test_size=10000", "data.image_size=32")
 FAST = ("trainer.amp=bf16", "trainer.channels_last=true", "trainer.compile=true", "trainer.epochs=3")
 TARGET_NORMS = ("bn", "cbn")  # docs/benchmarks.md: <= 2 and <= 2.5 minutes for 120 epochs
@@ -49,8 +60,8 @@ def checks(gpu: bool) -> list[tuple[str, list[str]]]:
     found = [("tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TESTS])]
     if not gpu:
         return found
-    found += [(f"bench-{what}", bench(f"bench-{what}", what)) for what in ("norms", "step", "data")]
-    found.append(("bench-run", bench("bench-run", "run", *CIFAR_SHAPED)))
+    found += [(f"bench-{what}", bench(f"bench-{what}", what, *sizes)) for what, sizes in BENCH_SIZES.items()]
+    found.append(("bench-run", bench("bench-run", "run", "reps=1", *CIFAR_SHAPED)))
     found += [(f"resnet20-{norm}", bench(f"resnet20-{norm}", "run", "reps=1", *CIFAR_SHAPED, *FAST, f"norm={norm}"))
               for norm in TARGET_NORMS]
     return found
@@ -60,11 +71,16 @@ def run_check(name: str, command: list[str]) -> dict[str, Any]:
     """Run one check; its outcome and the last lines of its output."""
     print(f"gpu-check: {name}: {' '.join(command)}", flush=True)
     started = time.perf_counter()
+    # Its own process group, so a timeout also stops what it started (torchrun's ranks).
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
-        code, output = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as err:
-        code, output = None, f"timed out after {STEP_TIMEOUT_S} s\n{err.stdout or ''}"
+        output, _ = proc.communicate(timeout=STEP_TIMEOUT_S)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        code, output = None, f"{output}\ntimed out after {STEP_TIMEOUT_S} s"
     seconds = round(time.perf_counter() - started, 1)
     tail = "\n".join(str(output).splitlines()[-15:])
     print(tail, flush=True)
@@ -98,12 +114,24 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def nvidia_hardware() -> bool:
+    """Whether this machine has an NVIDIA GPU, whatever torch makes of it."""
+    return Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") is not None
+
+
 def main() -> int:
     gpu = torch.cuda.is_available()
     OUT.mkdir(parents=True, exist_ok=True)
-    if not gpu:
+    results = []
+    if not gpu and nvidia_hardware():
+        results.append({"name": "cuda-available", "command": [], "ok": False, "returncode": None, "seconds": 0.0,
+                        "tail": f"an NVIDIA device is present but torch {torch.__version__} (CUDA "
+                                f"{torch.version.cuda}) cannot use it: check the driver (nvidia-smi) against "
+                                "the CUDA version of this torch build"})
+        print(f"gpu-check: FAILED: {results[0]['tail']}", flush=True)
+    elif not gpu:
         print("gpu-check: no CUDA device is visible: running the CPU-side checks only", flush=True)
-    results = [run_check(name, command) for name, command in checks(gpu)]
+    results += [run_check(name, command) for name, command in checks(gpu)]
     names = [name for name, _ in checks(gpu) if name != "tests"]
     report = {
         "date": datetime.date.today().isoformat(),

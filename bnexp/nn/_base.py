@@ -77,7 +77,7 @@ def channel_sums(g: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tens
 
     Eager and in ``dtype`` already, both come from one pass of torch's batch-norm backward
     reduction (its bias and weight gradients for ``g``, with mean 0 and inverse std 1);
-    otherwise two reductions. On the CPU only for NCHW-contiguous inputs with planes (the
+    otherwise two reductions, the products formed in ``dtype`` (or wider). On the CPU only for NCHW-contiguous inputs with planes (the
     dims after 1) of at most :data:`FUSED_PLANE` values: the CPU kernel sums each plane in a
     few float32 accumulators and runs through 2-D and channels_last inputs serially, which
     loses about 1e-4 of a sum of 10^6 positive terms where torch's sums stay near 1e-7.
@@ -87,7 +87,8 @@ def channel_sums(g: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tens
         x.dim() > 2 and x.is_contiguous() and g.is_contiguous() and math.prod(x.shape[2:]) <= FUSED_PLANE))
     if torch.compiler.is_compiling() or not fused:
         dims = channel_dims(x)
-        return g.sum(dims, dtype=dtype), (g * x).sum(dims, dtype=dtype)
+        wide = torch.promote_types(torch.promote_types(g.dtype, x.dtype), dtype)  # bf16 products are not rounded
+        return g.sum(dims, dtype=dtype), (g.to(wide) * x.to(wide)).sum(dims, dtype=dtype)
     zero, one = x.new_zeros(x.shape[1]), x.new_ones(x.shape[1])
     # weight=one is not used by these two outputs; some backends size them from it.
     _, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
@@ -95,8 +96,9 @@ def channel_sums(g: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tens
     return sum_g, sum_gx
 
 
-def affine(x: Tensor, a: Tensor, b: Optional[Tensor]) -> Tensor:
-    """``a * x + b`` with per-channel ``a`` and ``b``: one ``addcmul``, returned in ``x``'s dtype.
+def affine(x: Tensor, a: Tensor, b: Optional[Tensor], keep_wide: bool = False) -> Tensor:
+    """``a * x + b`` with per-channel ``a`` and ``b``: one ``addcmul``, returned in ``x``'s dtype
+    (in float32 at least with ``keep_wide``, for more arithmetic before the one rounding).
 
     The arithmetic is in float32 at least: under mixed precision, ``b = beta - a * mean``
     rounded to bf16 loses about log2(|mean| / std) bits (the same rounding on ``a``), so
@@ -108,10 +110,18 @@ def affine(x: Tensor, a: Tensor, b: Optional[Tensor]) -> Tensor:
     wide = x.to(dtype)
     a = per_channel(a, x).to(dtype)
     if b is None:
-        return (wide * a).to(x.dtype)
-    b = per_channel(b, x).to(dtype)
-    out = (wide * a).add_(b) if cpu_eager(x) else torch.addcmul(b, wide, a)
-    return out.to(x.dtype)
+        out = wide * a
+    else:
+        b = per_channel(b, x).to(dtype)
+        out = (wide * a).add_(b) if cpu_eager(x) else torch.addcmul(b, wide, a)
+    return out if keep_wide else out.to(x.dtype)
+
+
+def widen(x: Tensor) -> Tensor:
+    """``x`` in float32 at least. An autograd forward that reads a half-precision input
+    twice (statistics and the affine) widens it once, so the two gradients add up in
+    float32 and are rounded once, at the cast, instead of each on its own."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def check_fraction(name: str, value: float) -> None:

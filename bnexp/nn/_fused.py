@@ -55,7 +55,7 @@ class _ScaledNorm(torch.autograd.Function):
         sum_dz = a * sum_g - c * n * z_mean  # sum over the channel of dL/dz
         # dL/dx = a G - c x + (-c * shift - k * sum_dz / n), written into one new tensor.
         const = -c * shift - k * sum_dz / n
-        grad_x = affine(grad, a, const).addcmul_(x, per_channel(-c, x).to(x.dtype))
+        grad_x = affine(grad, a, const, keep_wide=True).addcmul_(x, per_channel(-c, x)).to(grad.dtype)
         grad_weight = sum_gz / divisor
         grad_bias = sum_dz if ctx.decouple else sum_g
         return grad_x, grad_weight.to(a.dtype), grad_bias.to(a.dtype), None, None, None, None, None, None, None

@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from bnexp.nn._base import FEATURES, IMAGES, ChannelNorm, affine, check_fraction
+from bnexp.nn._base import FEATURES, IMAGES, ChannelNorm, affine, check_fraction, widen
 from bnexp.nn._fused import scaled_norm
 
 AMAT_OMEGA = 10.0  # CBN's omega: eta_k = max(1 - omega * lr_k, 0)
@@ -142,9 +142,10 @@ class NormFamily(ChannelNorm):
             self._track(mean, var, n)
             k = 1.0 if self.center else 0.0
             return scaled_norm(x, self.weight, self.bias, mean, var, k, 1.0, self.rho, self.eps, self.decouple)
-        var, mean = self.batch_var_mean(x)
+        wide = widen(x)
+        var, mean = self.batch_var_mean(wide)
         self._track(mean, var, n)
-        return self._from_stats(x, mean, var)
+        return self._from_stats(wide, mean, var).to(x.dtype)
 
     def _fused(self) -> bool:
         """Whether the training forward can use the closed-form backward of
@@ -209,10 +210,11 @@ class NormFamily(ChannelNorm):
                 var, mean = self.batch_var_mean(x)
                 r_mu, _, r_sigma = self._amat_step(mean, var)
             return scaled_norm(x, self.weight, self.bias, mean, var, r_mu, r_sigma, self.rho, self.eps, self.decouple)
-        var, mean = self.batch_var_mean(x)
+        wide = widen(x)
+        var, mean = self.batch_var_mean(wide)
         r_mu, sigma, r_sigma = self._amat_step(mean, var)
         # r_mu * mean has the value mu_A and the gradient of mu_B
-        return self._output(x, self._with_beta(-r_mu * mean), r_sigma * sigma)
+        return self._output(wide, self._with_beta(-r_mu * mean), r_sigma * sigma).to(x.dtype)
 
     def _amat_new_weight(self) -> Tensor:
         """``1 - eta_k``, the weight of the current batch in eqs. (8)-(9); 1 on the first step."""

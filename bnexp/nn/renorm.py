@@ -7,7 +7,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from bnexp.nn._base import FEATURES, IMAGES, ChannelNorm, affine, check_fraction
+from bnexp.nn._base import FEATURES, IMAGES, ChannelNorm, affine, check_fraction, widen
 
 
 class BatchRenorm(ChannelNorm):
@@ -65,6 +65,7 @@ class BatchRenorm(ChannelNorm):
             # Built from fresh tensors, so autograd holds no reference to the buffers themselves.
             a = self.weight * self.running_std.reciprocal()
             return affine(x, a, self.bias + (-self.running_mean) * a)
+        dtype, x = x.dtype, widen(x)
         var, mean = self.batch_var_mean(x)
         sigma = (var + self.eps).sqrt()
         with torch.no_grad():
@@ -77,7 +78,7 @@ class BatchRenorm(ChannelNorm):
             self.running_std = torch.lerp(self.running_std, sigma, self.momentum)
             self.num_batches_tracked = self.num_batches_tracked + 1
         a = self.weight * r / sigma
-        return affine(x, a, self.bias + self.weight * d - mean * a)
+        return affine(x, a, self.bias + self.weight * d - mean * a).to(dtype)
 
 
 class BatchRenorm1d(BatchRenorm):

@@ -168,8 +168,13 @@ class ProbesCallback(Callback):
         self._dispatch("on_train_end", state, status)
 
     def state_dict(self) -> dict[str, Any]:
+        states = {p.name: p.state_dict() for p in self.probes}  # the clock reads its pending steps here
+        for probe in self.probes:  # ... so their rows go to the file before its length is taken
+            rows = probe.drain()
+            if self.writer is not None:
+                self.writer.append(rows)
         length = self.writer.length() if self.writer is not None else 0
-        return {"csv_length": length, "probes": {p.name: p.state_dict() for p in self.probes}}
+        return {"csv_length": length, "probes": states}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.writer is not None and "csv_length" in state:
