@@ -25,7 +25,7 @@ from bnexp.commands import print_error
 from bnexp.config import config_dir, meaningless, register_resolvers, validate
 from bnexp.distributed import from_environment
 from bnexp.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, ConfigError
-from bnexp.launch import rank_overrides
+from bnexp.launch import check_gpus, rank_overrides
 from bnexp.preemption import STOP_EXIT_CODES, Preempted
 from bnexp.runlock import RunLock, RunLocked
 
@@ -103,6 +103,7 @@ def run_job(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: Path, sweeping: boo
         spread_over_gpus(hydra_cfg.job.num)
     if int(cfg.trainer.nproc) > 1 and not from_environment().enabled:
         validate(cfg)  # before starting processes that would all fail the same way
+        check_gpus(int(cfg.trainer.nproc), str(cfg.trainer.device))
         return _launch_processes(int(cfg.trainer.nproc), list(hydra_cfg.overrides.task), run_dir, sweeping), None
     summary = train(cfg, run_dir)
     log.info("%s: status %s, final top-1 %s", run_dir, summary["status"], summary.get("final_top1"))

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bnexp.errors import ConfigError
 from bnexp.preemption import PreemptionGuard
 from bnexp.runlock import HELD_ENV, LOCK_NAME
 
@@ -34,6 +35,18 @@ def torchrun_command(nproc: int, overrides: list[str], run_dir: Path) -> list[st
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         "-m", "bnexp", "train", *overrides, f"hydra.run.dir={run_dir}",
     ]
+
+
+def check_gpus(nproc: int, device: str) -> None:
+    """``trainer.nproc`` processes started here on CUDA need a visible GPU each."""
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return
+    visible = torch.cuda.device_count()
+    if nproc > visible:
+        raise ConfigError(f"trainer.nproc={nproc} processes need a GPU each and this machine shows {visible}: use "
+                          f"trainer.nproc<={visible}, or trainer.device=cpu")
 
 
 def run_under_torchrun(nproc: int, overrides: list[str], run_dir: Path) -> int:

@@ -47,7 +47,8 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
 
     A CUDA device is the current one (``torch.cuda.set_device``), or, for a process started
     by torchrun, GPU ``local_rank`` of the visible ones; where each process sees one GPU
-    (SLURM binding one GPU per task), that one.
+    (SLURM binding one GPU per task), that one. (``trainer.nproc`` processes on a machine
+    with fewer GPUs are refused before they start: :func:`bnexp.launch.check_gpus`.)
     """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,10 +59,6 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     if local_rank is None:
         return torch.device("cuda", torch.cuda.current_device())
     visible = torch.cuda.device_count()
-    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's processes on this node
-    if visible == 1 and sharing > 1:
-        raise ConfigError(f"{sharing} processes on this node would share its one visible GPU: use trainer.nproc=1 "
-                          "here, or a machine with a GPU per process")
     if visible == 1:
         return torch.device("cuda", 0)
     if local_rank >= visible:

@@ -10,6 +10,7 @@ import torch
 
 from bnexp import checkpoint
 from bnexp.errors import ConfigError
+from bnexp.launch import check_gpus
 from bnexp.runinfo import resolve_device
 from bnexp.trainer import train
 from tests.conftest import TINY, compose_cfg, read_summary
@@ -56,10 +57,12 @@ def test_more_ranks_than_gpus_is_one_message(monkeypatch: pytest.MonkeyPatch) ->
     FakeCuda(monkeypatch, count=2)
     with pytest.raises(ConfigError, match="process of local rank 2 sees 2 GPUs"):
         resolve_device("cuda", 2)
-    FakeCuda(monkeypatch, count=1)  # trainer.nproc=2 on a one-GPU machine
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="2 processes on this node would share its one visible GPU"):
-        resolve_device("cuda", 1)
+    FakeCuda(monkeypatch, count=1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # SLURM, one GPU bound to each of 4 tasks: each uses its own
+    assert resolve_device("cuda", 3) == torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match="trainer.nproc=2 processes need a GPU each and this machine shows 1"):
+        check_gpus(2, "auto")  # bnexp's own launcher, before torchrun starts
+    check_gpus(2, "cpu")
 
 
 def test_checkpoint_of_every_visible_gpu_still_resumes(monkeypatch: pytest.MonkeyPatch) -> None:

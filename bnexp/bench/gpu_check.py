@@ -31,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ import torch
 OUT = Path("results/gpu-check")
 TESTS = ("tests/test_cuda.py", "tests/test_gpu_paths.py")
 STEP_TIMEOUT_S = 240  # one check; the whole call is meant to fit in 10 minutes on one H100
+GRACE_S = 20  # after SIGTERM, for a run to checkpoint and its ranks to stop
 BENCH_SIZES = {  # the shapes the targets name, fewer variants than the defaults
     "norms": ("nets=resnet20,resnet50", "reps=3"),
     "step": ("models=resnet20", "norms=bn,popnorm,cbn,bnp,none", "reps=3", "trainer.amp=bf16",
@@ -71,16 +73,25 @@ def run_check(name: str, command: list[str]) -> dict[str, Any]:
     """Run one check; its outcome and the last lines of its output."""
     print(f"gpu-check: {name}: {' '.join(command)}", flush=True)
     started = time.perf_counter()
-    # Its own process group, so a timeout also stops what it started (torchrun's ranks).
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=STEP_TIMEOUT_S)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        code, output = None, f"{output}\ntimed out after {STEP_TIMEOUT_S} s"
+    # Output to a file, not a pipe (processes left behind cannot hold the check open), and
+    # the check in its own process group: on a timeout the group gets SIGTERM first, which
+    # bnexp's launcher passes on to torchrun and its ranks (in sessions of their own), then
+    # SIGKILL.
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            code: int | None = proc.wait(timeout=STEP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+            for sig, grace in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, None)):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=grace)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+        log.seek(0)
+        output = log.read() + (f"\ntimed out after {STEP_TIMEOUT_S} s" if code is None else "")
     seconds = round(time.perf_counter() - started, 1)
     tail = "\n".join(str(output).splitlines()[-15:])
     print(tail, flush=True)
@@ -114,16 +125,19 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def nvidia_hardware() -> bool:
-    """Whether this machine has an NVIDIA GPU, whatever torch makes of it."""
-    return Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") is not None
+def unusable_gpu() -> bool:
+    """Whether this machine has an NVIDIA GPU that a CUDA build of torch was meant to use
+    and cannot (not a CPU-only torch, nor GPUs hidden on purpose with CUDA_VISIBLE_DEVICES)."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
+    hardware = Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") is not None
+    return hardware and torch.version.cuda is not None and not hidden and not torch.cuda.is_available()
 
 
 def main() -> int:
     gpu = torch.cuda.is_available()
     OUT.mkdir(parents=True, exist_ok=True)
     results = []
-    if not gpu and nvidia_hardware():
+    if unusable_gpu():
         results.append({"name": "cuda-available", "command": [], "ok": False, "returncode": None, "seconds": 0.0,
                         "tail": f"an NVIDIA device is present but torch {torch.__version__} (CUDA "
                                 f"{torch.version.cuda}) cannot use it: check the driver (nvidia-smi) against "
