@@ -18,9 +18,9 @@ from bnexp.distributed import Dist, split_batch
 from bnexp.errors import ConfigError, unknown_choice
 from bnexp.identity import override_key
 from bnexp.norms import NORM_LAYERS, uses_batch_statistics
+from bnexp.optim import UNITS
 
 DEVICES = ("auto", "cpu", "cuda")
-UNITS = ("epoch", "step")
 CHECKPOINT_UNITS = (*UNITS, "minute")  # minutes of wall time: bnexp/trainer.py CheckpointClock
 RESUME_MODES = ("auto", "never")  # or the path of a checkpoint file
 

@@ -140,7 +140,7 @@ class TrainBatches:
             drawn = tuple(d[s.offset :] for d in draws(s.num_samples, self.padding, self.generator))
         for start in range(0, len(indices), self.batch_size):
             part = slice(start, start + self.batch_size)
-            yield self.split.batch(indices[part], self.padding, drawn and tuple(d[part] for d in drawn))
+            yield self.split.batch(indices[part], self.padding, None if drawn is None else tuple(d[part] for d in drawn))
 
 
 def device_batches(data: ArrayData, cfg: Mapping[str, Any], sampler: EpochSampler, batch_size: int,
