@@ -13,13 +13,15 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from bnexp.commands import print_error
 from bnexp.config import config_dir, meaningless, register_resolvers, validate
@@ -46,59 +48,180 @@ def report_error(message: str, details: str = "", to_log: bool = True) -> None:
             handler.handle(record)
 
 
+@dataclass(frozen=True)
+class Job:
+    """One run to train: its config, its Hydra config and its directory."""
+
+    cfg: DictConfig
+    hydra_cfg: DictConfig
+    run_dir: Path
+
+
 def train_job(cfg: DictConfig) -> float | None:
     """One Hydra job; returns the run's final top-1 (None when it did not finish).
 
     The outcome goes to the sweep's ledger (:func:`bnexp.sweep.record`). A failure ends a
     single run with its exit code; in a sweep the next cell runs. A preemption or Ctrl-C
-    ends the sweep (the whole job is being stopped).
+    ends the sweep (the whole job is being stopped). ``trainer.pack=K`` trains seeds
+    ``trainer.seed`` to ``trainer.seed + K - 1`` as one pack (:func:`pack_jobs`).
     """
-    from bnexp.sweep import record
-
     hydra_cfg = HydraConfig.get()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     run_dir = Path(hydra_cfg.runtime.output_dir)
     register_resolvers()  # a launcher's worker process starts without them
-    try:
+    pack = cfg.trainer.get("pack", 1)
+    if isinstance(pack, int) and pack > 1:  # validate() names any other value than an integer >= 1
+        if sweeping:
+            report_error(f"trainer.pack={pack} packs the seeds of one run; a sweep packs its seeds with "
+                         "hydra/launcher=pack (at most hydra.launcher.max_pack per pack)", to_log=False)
+            sys.exit(ConfigError.exit_code)
+        return train_pack_job(pack_jobs(Job(cfg, hydra_cfg, run_dir), pack), sweeping)[0]
+
+    def single() -> list[tuple[str, Any]]:
         with RunLock(run_dir, enabled=from_environment().is_main):
-            status, value = run_job(cfg, hydra_cfg, run_dir, sweeping)
+            return [run_job(cfg, hydra_cfg, run_dir, sweeping)]
+
+    return guarded([run_dir], sweeping, single)[0]
+
+
+def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[str, Any]]]) -> list[Any]:
+    """Run ``work`` (the (status, final top-1) of each of ``run_dirs``), recording each
+    outcome in the sweep's ledger; returns the top-1 values, None for a run that failed."""
+    from bnexp.sweep import job_status, record
+
+    where = ", ".join(str(d) for d in run_dirs)
+    try:
+        outcomes = work()
     except Preempted as err:
-        record(run_dir, err.status, str(err))
-        report_error(f"{err}; re-run the same command to resume {run_dir}")
+        for run_dir in run_dirs:  # a run of a pack may have diverged before the signal
+            diverged = (run_dir / "summary.json").is_file() and job_status(run_dir)[0] == "diverged"
+            record(run_dir, "diverged" if diverged else err.status, str(err))
+        report_error(f"{err}; re-run the same command to resume {where}")
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
-        record(run_dir, "interrupted", "stopped by Ctrl-C")
-        report_error(f"stopped by Ctrl-C; re-run the same command to resume {run_dir}")
+        for run_dir in run_dirs:
+            diverged = (run_dir / "summary.json").is_file() and job_status(run_dir)[0] == "diverged"
+            record(run_dir, "diverged" if diverged else "interrupted", "stopped by Ctrl-C")
+        report_error(f"stopped by Ctrl-C; re-run the same command to resume {where}")
         sys.exit(EXIT_INTERRUPTED)
     except BnexpError as err:
-        record(run_dir, "locked" if isinstance(err, RunLocked) else "failed", str(err))
+        for run_dir in run_dirs:
+            record(run_dir, "locked" if isinstance(err, RunLocked) else "failed", str(err))
         report_error(str(err), to_log=err.in_run_log)
         if not sweeping:
             sys.exit(err.exit_code)
-        return None
+        return [None] * len(run_dirs)
     except Exception as err:  # recorded in summary.json with its traceback
-        record(run_dir, "failed", f"{type(err).__name__}: {err}")
-        report_error(f"run failed with {type(err).__name__}: {err} (traceback in {run_dir / 'summary.json'})",
+        for run_dir in run_dirs:
+            record(run_dir, "failed", f"{type(err).__name__}: {err}")
+        report_error(f"run failed with {type(err).__name__}: {err} (traceback in {run_dirs[0] / 'summary.json'})",
                      traceback.format_exc())
         if not sweeping:
             sys.exit(EXIT_FAILED)
-        return None
-    record(run_dir, status)
-    return value
+        return [None] * len(run_dirs)
+    for run_dir, (status, _) in zip(run_dirs, outcomes):
+        record(run_dir, status)
+    return [value for _, value in outcomes]
+
+
+def pack_jobs(job: Job, pack: int) -> list[Job]:
+    """The ``pack`` runs of ``trainer.pack`` on one command line: seeds ``trainer.seed`` and up,
+    each as its own command (``trainer.seed=S``, without ``trainer.pack``) would run it, in
+    the directory that command would use; with a custom ``hydra.run.dir``, the others go
+    beside it as ``<dir>-seed<S>``."""
+    from bnexp.identity import override_key, run_name
+
+    first = int(job.cfg.trainer.seed)
+    given = [o for o in job.hydra_cfg.overrides.task if override_key(o) != "trainer.pack"]
+    rest = [o for o in given if override_key(o) != "trainer.seed"]
+    named = job.run_dir.name == run_name(given)  # the default hydra.run.dir
+    jobs = []
+    for seed in range(first, first + pack):
+        overrides = [*rest, f"trainer.seed={seed}"] if seed != first or len(rest) < len(given) else rest
+        if named:
+            run_dir = job.run_dir.parent / run_name(overrides)
+        else:
+            run_dir = job.run_dir if seed == first else job.run_dir.with_name(f"{job.run_dir.name}-seed{seed}")
+        cfg = with_value(with_value(job.cfg, "trainer.seed", seed), "trainer.pack", 1)
+        jobs.append(Job(cfg, with_overrides(job.hydra_cfg, overrides, run_dir), run_dir))
+    return jobs
+
+
+def with_value(cfg: DictConfig, key: str, value: Any) -> DictConfig:
+    """A copy of ``cfg`` with ``key`` set to ``value``."""
+    copy = cfg.copy()
+    OmegaConf.update(copy, key, value, merge=False)
+    return copy
+
+
+def with_overrides(hydra_cfg: DictConfig, task: list[str], run_dir: Path) -> DictConfig:
+    """A copy of a job's Hydra config with other task overrides and output directory."""
+    copy = hydra_cfg.copy()
+    with read_write(copy), open_dict(copy):
+        copy.overrides.task = task
+        copy.runtime.output_dir = str(run_dir.absolute())
+    return copy
+
+
+def train_pack_job(jobs: list[Job], sweeping: bool) -> list[Any]:
+    """Train ``jobs`` (runs that differ in their seed only) as one pack: each takes its
+    directory's lock and is skipped when finished already; the rest train together
+    (:mod:`bnexp.pack`). Returns each run's final top-1 (None when it did not finish)."""
+    from bnexp.sweep import record
+
+    values: dict[Path, Any] = {}
+    with ExitStack() as locks:
+        todo = []
+        for job in jobs:
+            try:
+                locks.enter_context(RunLock(job.run_dir))
+                if prepare_job(job, write=True):
+                    record(job.run_dir, "skipped")
+                else:
+                    todo.append(job)
+            except BnexpError as err:
+                record(job.run_dir, "locked" if isinstance(err, RunLocked) else "failed", str(err))
+                report_error(str(err), to_log=err.in_run_log)
+                if not sweeping:
+                    sys.exit(err.exit_code)
+        if todo:
+            dirs = [job.run_dir for job in todo]
+            values.update(zip(dirs, guarded(dirs, sweeping, lambda: pack_outcomes(todo))))
+    return [values.get(job.run_dir) for job in jobs]
+
+
+def prepare_job(job: Job, write: bool) -> bool:
+    """Whether a job is to be skipped (finished already); if not, its ``.hydra/`` is
+    written when ``write`` (the main process)."""
+    from bnexp.sweep import skip_reason
+
+    meaningless(job.cfg, job.hydra_cfg.overrides.task)
+    reason = skip_reason(job.cfg, job.run_dir)
+    if reason:
+        (log.warning if "WARNING" in reason else log.info)("%s: skipped: %s", job.run_dir, reason)
+        return True
+    if write:
+        save_hydra_files(job.run_dir, job.hydra_cfg, job.cfg)
+    return False
+
+
+def pack_outcomes(jobs: list[Job]) -> list[tuple[str, Any]]:
+    """Train ``jobs`` as one pack; (status, final top-1) of each."""
+    from bnexp.pack import train_pack
+
+    summaries = train_pack([job.cfg for job in jobs], [job.run_dir for job in jobs])
+    for job, summary in zip(jobs, summaries):
+        log.info("%s: status %s, final top-1 %s", job.run_dir, summary["status"], summary.get("final_top1"))
+    return [(summary["status"], summary.get("final_top1")) for summary in summaries]
 
 
 def run_job(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: Path, sweeping: bool) -> tuple[str, Any]:
     """Skip, launch or train one job holding its directory's lock; (status, final top-1)."""
-    from bnexp.sweep import skip_reason, spread_over_gpus
+    from bnexp.sweep import spread_over_gpus
     from bnexp.trainer import train
 
-    meaningless(cfg, hydra_cfg.overrides.task)
-    reason = skip_reason(cfg, run_dir)
-    if reason:
-        (log.warning if "WARNING" in reason else log.info)("%s: skipped: %s", run_dir, reason)
+    if prepare_job(Job(cfg, hydra_cfg, run_dir), write=from_environment().is_main):
         return "skipped", None
-    if from_environment().is_main:
-        save_hydra_files(run_dir, hydra_cfg, cfg)
     if sweeping:
         spread_over_gpus(hydra_cfg.job.num)
     if int(cfg.trainer.nproc) > 1 and not from_environment().enabled:
@@ -137,14 +260,17 @@ def _launch_processes(nproc: int, overrides: list[str], run_dir: Path, sweeping:
     return status
 
 
-def register_sweeper() -> None:
-    """Make bnexp's sweeper (``hydra/sweeper=bnexp``) known to Hydra. A wheel install puts it
-    where Hydra's plugin scan finds it; an editable install's import hook hides it from that
-    scan, so it is registered by hand, as Hydra's ``Plugins.register`` allows."""
+def register_plugins() -> None:
+    """Make bnexp's sweeper (``hydra/sweeper=bnexp``) and packing launcher
+    (``hydra/launcher=pack``) known to Hydra. A wheel install puts them where Hydra's plugin
+    scan finds them; an editable install's import hook hides them from that scan, so they
+    are registered by hand, as Hydra's ``Plugins.register`` allows."""
     from hydra.core.plugins import Plugins
+    from hydra_plugins.bnexp_launcher import PackLauncher
     from hydra_plugins.bnexp_sweeper import BnexpSweeper
 
     Plugins.instance().register(BnexpSweeper)
+    Plugins.instance().register(PackLauncher)
 
 
 def train_command(args: list[str]) -> None:
@@ -154,7 +280,7 @@ def train_command(args: list[str]) -> None:
     from bnexp.sweep import finish_report
 
     register_resolvers()
-    register_sweeper()
+    register_plugins()
     multirun_flags = [a for a in args if a in ("-m", "--multirun")]
     args = multirun_flags + [a for a in args if a not in multirun_flags]  # `train a=1 -m b=2,3` works too
     try:

@@ -16,13 +16,15 @@ from typing import Any, Iterable, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 # Settings that do not change what a run computes: where it logs, how often it saves or
-# prints, which device it runs on, whether data is downloaded and checked. A key covers
+# prints, which device it runs on, whether it trains packed with other seeds (the same
+# computation, rounded differently), whether data is downloaded and checked. A key covers
 # its whole subtree. (data.num_workers is not one: each DataLoader worker draws its own
 # augmentation.)
 NON_RESULT_KEYS = (
     "logger",
     "tags",
     "trainer.resume",
+    "trainer.pack",
     "trainer.device",
     "trainer.log_every",
     "trainer.checkpoint_every",

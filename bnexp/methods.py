@@ -70,14 +70,19 @@ class RenormRamp(Callback):
 
 class WeightNormLog(Callback):
     """At every evaluation: ``||w||`` and ``lr_w / ||w||^2`` of each scale-invariant weight, and
-    the min / median / max over its filters of ``lr_w / ||w_k||^2``."""
+    the min / median / max over its filters of ``lr_w / ||w_k||^2``. In a packed model, one
+    log per run: ``run`` of ``runs``, written to that run's ``run_dir``."""
+
+    def __init__(self, run_dir: Optional[Path] = None, run: int = 0, runs: int = 1) -> None:
+        self.run_dir, self.run, self.runs = run_dir, run, runs
 
     def on_train_start(self, state: TrainState) -> None:
         self.weights = scale_invariant_weights(state.model)
-        self.writer = MetricsWriter(Path(state.run_dir) / "weights.csv", enabled=state.dist.is_main)
+        run_dir = self.run_dir or Path(state.run_dir)
+        self.writer = MetricsWriter(run_dir / "weights.csv", enabled=state.dist.is_main)
 
     def on_eval(self, state: TrainState, row: dict[str, Any]) -> None:
-        for name, norm, lr_w, (low, median, high) in weight_norms(self.weights, state.optimizer):
+        for name, norm, lr_w, (low, median, high) in weight_norms(self.weights, state.optimizer, self.run, self.runs):
             self.writer.write({"step": state.step, "epoch": row["epoch"], "layer": name, "weight_norm": norm,
                                "lr_w": lr_w, "effective_lr": lr_w / norm**2, "filter_effective_lr_min": low,
                                "filter_effective_lr_median": median, "filter_effective_lr_max": high})

@@ -41,16 +41,17 @@ def filter_squares(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().double().flatten(1).square().sum(1)
 
 
-def weight_norms(weights: list[tuple[str, nn.Parameter]],
-                 optimizer: Optimizer) -> list[tuple[str, float, float, tuple[float, float, float]]]:
+def weight_norms(weights: list[tuple[str, nn.Parameter]], optimizer: Optimizer, run: int = 0,
+                 runs: int = 1) -> list[tuple[str, float, float, tuple[float, float, float]]]:
     """``(name, ||w||, lr, (min, median, max) of lr / ||w_k||^2 over the filters))`` for each
     weight, ``lr`` being that of the optimizer group holding it. ``lr / ||w||^2`` is a
     layer's effective learning rate; BN makes each filter ``w_k`` scale-invariant on its
-    own, so ``lr / ||w_k||^2`` is the effective rate of Arora et al.'s analysis."""
+    own, so ``lr / ||w_k||^2`` is the effective rate of Arora et al.'s analysis. In a packed
+    model of ``runs`` runs, the weights are those of run ``run`` (its block of filters)."""
     lrs = {id(p): float(group["lr"]) for group in optimizer.param_groups for p in group["params"]}
     rows = []
     for name, w in weights:
-        squares = filter_squares(w)
+        squares = filter_squares(w.chunk(runs)[run])
         per_filter = lrs[id(w)] / squares
         quantiles = torch.stack([per_filter.min(), per_filter.median(), per_filter.max()]).tolist()
         rows.append((name, squares.sum().sqrt().item(), lrs[id(w)], tuple(quantiles)))

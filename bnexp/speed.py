@@ -33,7 +33,8 @@ def amp_mode(value: Any) -> str:
 
 
 class Accelerated(nn.Module):
-    """``model`` called under the run's memory format, autocast and compiler; float32 logits.
+    """``model`` called under the run's memory format, autocast and compiler; logits in float32
+    at least.
 
     Converts ``model`` to channels_last in place when asked (before the optimizer is built,
     so it sees the converted parameters). Owns the GradScaler (a no-op unless ``fp16``).
@@ -77,7 +78,8 @@ class Accelerated(nn.Module):
         if x.dim() == 4:
             x = x.contiguous(memory_format=self.memory_format)
         with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None):
-            return self.model(x).float()
+            out = self.model(x)
+            return out.to(torch.promote_types(out.dtype, torch.float32))  # a float64 model keeps float64
 
     def backward(self, loss: Tensor, optimizer: Optimizer) -> None:
         """Backward through the (scaled) loss, then unscale: hooks see the true gradients."""

@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from bnexp.config import lr_not_applicable
 from bnexp.checkpoint import FINAL, periodic_checkpoints, verified_bytes
 from bnexp.errors import EXIT_FAILED, ConfigError, OtherRunThere
-from bnexp.identity import cell_name, differences, fingerprint
+from bnexp.identity import cell_name, differences, fingerprint, override_key
 from bnexp.runlock import HELD_ENV
 
 Sweep = Mapping[str, Any]  # one sweep as a preset writes it: key -> value(s) in override syntax
@@ -165,6 +165,29 @@ def final_checkpoint_note(run_dir: Path, summary: Mapping[str, Any]) -> str:
         return (f"; WARNING: its final checkpoint is unusable: {why}. Its metrics and summary stand; "
                 "trainer.resume=never trains it again")
     return ""
+
+
+def pack_groups(job_overrides: Sequence[Sequence[str]]) -> list[list[int]]:
+    """The indices of a sweep's jobs grouped by everything but ``trainer.seed``, in the
+    order the jobs come."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, overrides in enumerate(job_overrides):
+        key = tuple(sorted(o for o in overrides if override_key(o) != "trainer.seed"))
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def distinct_packs(seeds: Sequence[int], max_pack: int) -> list[list[int]]:
+    """Positions of ``seeds`` cut into packs of at most ``max_pack`` with no seed twice (a
+    job without a seed override and one with ``trainer.seed=0`` are the same run twice)."""
+    packs: list[list[int]] = []
+    for i, seed in enumerate(seeds):
+        home = next((p for p in packs if len(p) < max_pack and all(seeds[j] != seed for j in p)), None)
+        if home is None:
+            packs.append([i])
+        else:
+            home.append(i)
+    return packs
 
 
 def describe_jobs(jobs: Sequence[Job], sweep_dir: Path) -> str:

@@ -15,7 +15,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ from bnexp.identity import differences, fingerprint
 from bnexp.loggers import logger_callback
 from bnexp.methods import method_callbacks
 from bnexp.models import build_model, count_parameters
+from bnexp.models.packing import pack_inputs, per_run
 from bnexp.norms import uses_batch_statistics
 from bnexp.optim import build_optimizer, build_schedule, to_steps
 from bnexp.preemption import Preempted, PreemptionGuard
@@ -47,29 +48,37 @@ log = logging.getLogger("bnexp.train")
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, num_classes: int) -> dict[str, float]:
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, num_classes: int,
+             runs: int = 1) -> list[dict[str, float]]:
     """Mean cross-entropy and top-1 (and top-5 when there are more than 5 classes) in percent,
-    over this process's share of the test set summed with the other processes' shares."""
+    over this process's share of the test set summed with the other processes' shares; one
+    dict per run of a packed model (``runs``, :mod:`bnexp.models.packing`), each run seeing
+    every test image."""
     was_training = model.training
     model.eval()
-    loss = torch.zeros((), device=device, dtype=torch.float64)
-    correct = torch.zeros(2, device=device, dtype=torch.float64)
+    sums = torch.zeros(runs, 3, device=device, dtype=torch.float64)  # loss, top-1, top-k per run
     count, full = 0, None
     k = 5 if num_classes > 5 else 1
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         full = full or len(x)
-        logits = model(pad_batch(x, full) if getattr(model, "compiled", False) else x)[: len(y)]
-        loss += F.cross_entropy(logits, y, reduction="sum").double()
-        hits = logits.topk(k, dim=1).indices.eq(y[:, None])
-        correct += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum()]).double()
+        x = pack_inputs([pad_batch(x, full) if getattr(model, "compiled", False) else x] * runs)
+        logits = per_run(model(x)[: len(y)], runs)
+        for run in range(runs):
+            sums[run, 0] += F.cross_entropy(logits[:, run], y, reduction="sum").double()
+            hits = logits[:, run].topk(k, dim=1).indices.eq(y[:, None])
+            sums[run, 1:] += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum()]).double()
         count += len(y)
     model.train(was_training)
-    loss_sum, top1, topk, count = sum_over_ranks(torch.cat([loss[None], correct, correct.new_tensor([count])])).tolist()
-    out = {"test_loss": loss_sum / count, "test_acc": 100 * top1 / count}
-    if k == 5:
-        out["test_top5"] = 100 * topk / count
-    return out
+    totals = sum_over_ranks(torch.cat([sums.flatten(), sums.new_tensor([count])])).tolist()
+    count = totals.pop()
+    rows = []
+    for loss_sum, top1, topk in zip(totals[0::3], totals[1::3], totals[2::3]):
+        row = {"test_loss": loss_sum / count, "test_acc": 100 * top1 / count}
+        if k == 5:
+            row["test_top5"] = 100 * topk / count
+        rows.append(row)
+    return rows
 
 
 def pad_batch(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -80,10 +89,11 @@ def pad_batch(x: torch.Tensor, size: int) -> torch.Tensor:
 
 class TrainMeter:
     """Sums loss and correct predictions on the device (five small kernels a step, no sync;
-    the count of images stays on the host); read (one sync) when reported."""
+    the count of images stays on the host); read (one sync) when reported. One row of sums
+    per run of a packed model (``runs``)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss*n, correct, n (filled on read)
+    def __init__(self, device: torch.device, runs: int = 1) -> None:
+        self.sums = torch.zeros(runs, 3, device=device, dtype=torch.float64)  # loss*n, correct, n (filled on read)
         self.count = 0
 
     def reset(self) -> None:
@@ -91,24 +101,31 @@ class TrainMeter:
         self.count = 0
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
-        n = len(y)
-        self.sums[0].add_(loss, alpha=n)  # in float64
-        self.sums[1].add_(logits.argmax(dim=1).eq(y).sum())
+        """A step's mean loss (one per run), logits (``(N, runs * classes)``) and targets
+        (``(N,)``, or ``(N, runs)`` for a pack)."""
+        n, runs = len(y), len(self.sums)
+        self.sums[:, 0].add_(loss.reshape(runs), alpha=n)  # in float64
+        self.sums[:, 1].add_(per_run(logits, runs).argmax(dim=2).eq(y.view(n, runs)).sum(0))
         self.count += n
 
     def state(self) -> torch.Tensor:
-        """``[loss * n, correct, n]`` summed since the last reset (for checkpoints and reads)."""
-        self.sums[2].fill_(self.count)
+        """``[loss * n, correct, n]`` per run summed since the last reset (for checkpoints and reads)."""
+        self.sums[:, 2].fill_(self.count)
         return self.sums
 
     def load(self, sums: torch.Tensor) -> None:
-        self.sums.copy_(sums)
-        self.count = int(sums[2])
+        self.sums.copy_(sums)  # a single run's checkpoint before packing existed holds 3 values
+        self.count = int(self.sums[0, 2])
+
+    def read_runs(self) -> list[tuple[float, float]]:
+        """(mean loss, accuracy in percent) per run over all processes since the last reset;
+        NaN if non-finite."""
+        sums = sum_over_ranks(self.state().clone()).tolist()
+        return [(loss_sum / n, 100 * correct / n) if n else (float("nan"), float("nan")) for loss_sum, correct, n in sums]
 
     def read(self) -> tuple[float, float]:
-        """(mean loss, accuracy in percent) over all processes since the last reset; NaN if non-finite."""
-        loss_sum, correct, n = sum_over_ranks(self.state().clone()).tolist()
-        return (loss_sum / n, 100 * correct / n) if n else (float("nan"), float("nan"))
+        """:meth:`read_runs` of a single run."""
+        return self.read_runs()[0]
 
 
 def total_steps(cfg: DictConfig, steps_per_epoch: int) -> int:
@@ -236,7 +253,7 @@ class Run:
         self.meter.reset()
         s = self.state
         row = {"step": s.step, "epoch": round(s.epoch, 4), "lr": lr, "train_loss": train_loss,
-               "train_acc": train_acc, **evaluate(self.net, loader, s.device, num_classes),
+               "train_acc": train_acc, **evaluate(self.net, loader, s.device, num_classes)[0],
                "seconds": round(self.seconds(), 3)}
         self.metrics.write(row)
         record_eval(self.summary, row)
@@ -258,22 +275,40 @@ def build_callbacks(cfg: DictConfig) -> list[Callback]:
 
 
 def train_step(net: Accelerated, optimizer: torch.optim.Optimizer, callbacks: list[Callback], state: TrainState,
-               x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               x: torch.Tensor, y: torch.Tensor,
+               criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimization step on ``(x, y)``: callbacks around forward, loss, backward and update.
 
-    Returns the logits and the loss. The learning-rate schedule, buffer averaging and the
-    step count are the caller's (``bnexp bench step`` times exactly this function).
+    Returns the logits and the loss: ``criterion``'s, the mean cross-entropy, or for a packed
+    model one mean loss per run, whose sum is differentiated (each run's gradient is its
+    own). The learning-rate schedule, buffer averaging and the step count are the caller's
+    (``bnexp bench step`` times exactly this function).
     """
     for cb in callbacks:
         cb.before_step(state)
     logits = net(x)
-    loss = F.cross_entropy(logits, y)
+    loss = criterion(logits, y)
     optimizer.zero_grad(set_to_none=True)
-    net.backward(loss, optimizer)
+    net.backward(loss.sum() if loss.dim() else loss, optimizer)
     for cb in callbacks:
         cb.after_backward(state)
     net.step(optimizer)
     return logits, loss
+
+
+def end_step(state: TrainState, meter: TrainMeter, callbacks: list[Callback], loss: torch.Tensor,
+             logits: torch.Tensor, y: torch.Tensor, bar: tqdm) -> bool:
+    """After a training step: the lr schedule, buffer averaging (under torchrun), the step
+    count, the meter and the hooks' ``after_step``. Whether it was the last step."""
+    state.scheduler.step()
+    distributed.average_buffers(state.model)
+    state.step += 1
+    meter.add(loss.detach(), logits.detach(), y)
+    for cb in callbacks:
+        cb.after_step(state)
+    bar.update(1)
+    return state.step == state.total_steps
 
 
 class CheckpointClock:
@@ -354,14 +389,7 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             lr = state.lr
             logits, loss = train_step(net, optimizer, run.callbacks, state, x, y)
-            scheduler.step()
-            distributed.average_buffers(model)
-            state.step += 1
-            run.meter.add(loss.detach(), logits.detach(), y)
-            for cb in run.callbacks:
-                cb.after_step(state)
-            bar.update(1)
-            last = state.step == state.total_steps
+            last = end_step(state, run.meter, run.callbacks, loss, logits, y, bar)
             if state.step % log_every == 0 or state.step % eval_every == 0 or last:
                 train_loss, train_acc = run.meter.read()
                 if not math.isfinite(train_loss):

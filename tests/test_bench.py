@@ -58,6 +58,21 @@ def test_bench_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run["extrapolated_seconds"] > run["seconds_median"] and run["ratio"] > 0
 
 
+def test_bench_pack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["pack", "runs=1,3", "norm=cbn", "batch=4", "image_size=8", "number=1", "warmup=1", *TOY_MODEL]
+    records = bench(args, tmp_path, capsys)
+    assert [(r["name"], r["baseline"], r["runs"]) for r in records] == [("K=1", "1 x alone", 1), ("K=3", "3 x alone", 3)]
+    for r in records:
+        assert r["ratio"] > 0 and r["runs_per_hour"] > 0 and r["runs_per_hour_alone"] > 0
+        assert r["runs_per_hour"] == pytest.approx(r["runs"] * 3600 / (120 * 391 * r["seconds_median"]))
+
+
+def test_bench_run_of_a_pack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (run,) = bench(["run", "reps=1", "trainer.batch_size=16", "trainer.pack=2", *TOY_MODEL, *TOY_DATA], tmp_path,
+                   capsys)
+    assert run["name"] == "run x2 (packed)" and run["extrapolated_seconds"] > run["seconds_median"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["warp"], "unknown bench subcommand 'warp'"),
     (["norms", "model.width=4"], "unknown option 'model.width'"),

@@ -193,12 +193,15 @@ def test_same_runs_and_tables_as_before_the_presets_described_their_tables(
 
 def masked(table: str) -> str:
     """A markdown table with our measured numbers and their differences replaced by #; the
-    run counts and the published columns stay."""
+    run counts and the published columns stay. Cells are stripped and the alignment row
+    dropped: the column widths follow the numbers' widths."""
     lines, header = [], []
     for line in table.splitlines():
-        cells = line.split("|")
+        cells = [c.strip() for c in line.split("|")]
         if line.startswith("|") and not header:
-            header = [c.strip() for c in cells]
+            header = cells
+        elif line.startswith("|:") or line.startswith("|-"):
+            continue
         elif line.startswith("|"):
             cells = [c if h.endswith("paper") else re.sub(r"[-+]?\d+\.\d+( ± \d+\.\d+)?", "#", c)
                      for c, h in zip(cells, header)]

@@ -58,7 +58,7 @@ LAYERS = [
     ("bnexp.activations", "bnexp.norms", "bnexp.models", "bnexp.scale_invariance"),
     ("bnexp.config", "bnexp.data", "bnexp.optim", "bnexp.callbacks", "bnexp.methods", "bnexp.probes", "bnexp.loggers",
      "bnexp.checkpoint", "bnexp.runinfo", "bnexp.speed", "bnexp.preemption", "bnexp.launch", "bnexp.trainer",
-     "bnexp.identity", "bnexp.runlock"),
+     "bnexp.identity", "bnexp.runlock", "bnexp.pack"),
     ("bnexp.sweep", "bnexp.app", "bnexp.cmdline", "hydra_plugins"),
     ("bnexp.report", "bnexp.bench"),
     ("bnexp.studies",),

@@ -260,7 +260,7 @@ def test_compiled_evaluation_is_one_graph_for_every_batch_size() -> None:
         set_learning_rate(net.model, 0.05)
     evaluate(compiled, batches[:1], CPU, 3)  # traces the eval graph
     graphs = counters["stats"]["unique_graphs"]
-    ours, reference = evaluate(compiled, batches, CPU, 3), evaluate(eager, batches, CPU, 3)
+    ours, reference = evaluate(compiled, batches, CPU, 3)[0], evaluate(eager, batches, CPU, 3)[0]
     assert counters["stats"]["unique_graphs"] == graphs
     assert ours["test_acc"] == reference["test_acc"]
     assert ours["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-5)

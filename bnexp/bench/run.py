@@ -5,9 +5,10 @@ Trains ``trainer.epochs`` epochs (2 unless overridden) with an evaluation after 
 (compilation, autotuning); the later ones give the steady seconds per epoch, evaluation
 included, so ``target_epochs`` take about ``wall + (target_epochs - epochs) * steady``. The
 ratio is that estimate over ``target_seconds``. With ``jobs=K`` the command also trains K
-copies at once with joblib (separate processes, as a packed sweep does) and compares the
-pack's wall time with K runs one after another. Every other ``key=value`` is a Hydra
-override of the run (``trainer.amp=bf16 trainer.compile=true``).
+copies at once with joblib (separate processes) and compares their wall time with K runs
+one after another. With ``trainer.pack=K`` the run is a pack of K seeds trained as one
+model (:mod:`bnexp.pack`), timed as a whole (the K runs finish together). Every other
+``key=value`` is a Hydra override of the run (``trainer.amp=bf16 trainer.compile=true``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import pandas as pd
 from joblib import Parallel, delayed
 from omegaconf import DictConfig
 
+from bnexp.app import with_value
 from bnexp.bench.common import Record, compose_train, device_of, record
 from bnexp.errors import BnexpError, ConfigError
+from bnexp.pack import train_pack
 from bnexp.trainer import train
 
 DEFAULTS: dict[str, Any] = {"reps": 3, "device": "auto", "threads": 0, "target_epochs": 120, "target_seconds": 120.0,
@@ -35,8 +38,15 @@ RUN_OVERRIDES = ("trainer.epochs=2", "trainer.max_steps=null", "trainer.eval_eve
 
 
 def short_run(cfg: DictConfig, run_dir: Path) -> tuple[dict[str, Any], float]:
-    """Train once: (its summary, median seconds per epoch after the first)."""
-    summary = train(cfg, run_dir)
+    """Train once (a pack of ``trainer.pack`` seeds when above 1): (the first run's summary,
+    median seconds per epoch after the first)."""
+    runs = int(cfg.trainer.pack)
+    if runs > 1:
+        seeds = range(cfg.trainer.seed, cfg.trainer.seed + runs)
+        summary = train_pack([with_value(cfg, "trainer.seed", s) for s in seeds], [run_dir / f"seed{s}" for s in seeds])[0]
+        run_dir = run_dir / f"seed{seeds[0]}"
+    else:
+        summary = train(cfg, run_dir)
     if summary["status"] != "completed":
         raise BnexpError(f"the benchmark run ended with status {summary['status']} (see {run_dir})")
     seconds = pd.read_csv(run_dir / "metrics.csv")["seconds"].tolist()
@@ -63,7 +73,8 @@ def bench(options: Mapping[str, Any], overrides: Sequence[str]) -> list[Record]:
         walls = [summary["wall_seconds"] for summary, _ in runs]
         estimates = [wall + (options["target_epochs"] - epochs) * steady for wall, (_, steady) in zip(walls, runs)]
         estimate = statistics.median(estimates)
-        single = record("run", mode, device, walls, target, ratio=estimate / options["target_seconds"],
+        name = f"run x{cfg.trainer.pack} (packed)" if cfg.trainer.pack > 1 else "run"
+        single = record(name, mode, device, walls, target, ratio=estimate / options["target_seconds"],
                         epochs=epochs, model=cfg.model.name, norm=cfg.norm.name, data=cfg.data.name,
                         amp=cfg.trainer.amp, channels_last=cfg.trainer.channels_last,
                         loader=runs[0][0]["loader"], extrapolated_seconds=estimate,

@@ -150,8 +150,9 @@ def build_loaders(bundle: DataBundle, cfg: Mapping[str, Any], batch_size: int, s
     rank on (the same images on both paths).
 
     ``data.loader`` picks the DataLoader path or the on-device one (:func:`loader_kind`).
-    The DataLoader gets its own generator (for worker seeds) so creating an iterator never
-    draws from the global RNG, which the training step's own randomness uses.
+    Both DataLoaders get their own generator (for worker seeds) so creating an iterator
+    never draws from the global RNG, from which augmentation and the training step's own
+    randomness draw (a packed run swaps in its own global state around its batches only).
     ``pin_memory`` is the caller's default; a non-null ``data.pin_memory`` overrides it.
     """
     sampler = EpochSampler(bundle.train, cfg.get("sampling", "with_replacement"), seed, batch_size, rank, world_size,
@@ -171,5 +172,7 @@ def build_loaders(bundle: DataBundle, cfg: Mapping[str, Any], batch_size: int, s
     train_loader = DataLoader(bundle.train, batch_size=batch_size, sampler=sampler,
                               generator=torch.Generator().manual_seed(seed), **common)
     test = bundle.test if world_size == 1 else Subset(bundle.test, test_share)
-    test_loader = DataLoader(test, batch_size=int(cfg.get("eval_batch_size", 500)), shuffle=False, **common)
+    # its own generator too: an iterator draws its workers' base seed, never from the global RNG
+    test_loader = DataLoader(test, batch_size=int(cfg.get("eval_batch_size", 500)), shuffle=False,
+                             generator=torch.Generator().manual_seed(seed), **common)
     return Loaders(train_loader, test_loader, sampler, batch_size)

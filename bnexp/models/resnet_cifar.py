@@ -18,16 +18,22 @@ from bnexp.models.layers import LayerBuilder, NormOp, he_normal_init
 
 
 class OptionAShortcut(nn.Module):
-    """Parameter-free shortcut: strided subsampling plus zero channel padding."""
+    """Parameter-free shortcut: strided subsampling plus zero channel padding.
+
+    ``runs`` > 1 (a packed model, :mod:`bnexp.models.packing`): the channels are ``runs``
+    equal blocks and each block is padded on its own.
+    """
 
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
         self.stride = stride
         self.pad = cout - cin
+        self.runs = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x[:, :, :: self.stride, :: self.stride]
-        return F.pad(x, (0, 0, 0, 0, self.pad // 2, self.pad - self.pad // 2))
+        x = x.unflatten(1, (self.runs, -1))  # (N, runs, C, H, W): the padding below is on C
+        return F.pad(x, (0, 0, 0, 0, self.pad // 2, self.pad - self.pad // 2)).flatten(1, 2)
 
 
 class ResidualBlock(nn.Module):

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from bnexp.nn._base import check_fraction, var_mean_per_channel
+from bnexp.nn.packed import PackedLinear
 
 # (batch means, batch variances) of every layer that saw a training input -> the same, e.g.
 # averaged over DDP ranks in one all-reduce (bnexp.distributed.bnp_reducer).
@@ -35,7 +36,9 @@ class BNPLayer(nn.Module):
 
     Buffers ``mu`` (init 0) and ``sigma2`` (init 1) hold one entry per input feature or
     input channel. ``batch_stats`` and ``update`` are separate so that batch statistics can
-    be reduced across processes in between.
+    be reduced across processes in between. In a packed model (a layer with ``runs``, see
+    :mod:`bnexp.nn.packed`) the inputs are ``runs`` equal blocks, one per run, and the
+    regularizer's ``max(sigma2)`` is taken per run.
     """
 
     def __init__(self, name: str, layer: nn.Module, rho: float, eps1: float, eps2: float) -> None:
@@ -43,7 +46,8 @@ class BNPLayer(nn.Module):
         self.name = name
         self.conv = isinstance(layer, nn.Conv2d)
         self.in_features = layer.in_channels if self.conv else layer.in_features
-        self.groups = layer.groups if self.conv else 1
+        self.groups = getattr(layer, "groups", 1)
+        self.runs = getattr(layer, "runs", 1)
         self.fan_in = layer.weight[0].numel()  # (c_in / groups) * kh * kw for a conv
         self.rho = rho
         self.eps1 = eps1
@@ -98,8 +102,9 @@ class BNPLayer(nn.Module):
         self.sigma2.lerp_(var, 1.0 - self.rho)
 
     def s2(self) -> Tensor:
-        """The regularized variance ``sigma2 + eps1 * max(sigma2) + eps2``."""
-        return self.sigma2 + self.eps1 * self.sigma2.max() + self.eps2
+        """The regularized variance ``sigma2 + eps1 * max(sigma2) + eps2`` (the max per run)."""
+        largest = self.sigma2.view(self.runs, -1).amax(1).repeat_interleave(self.in_features // self.runs)
+        return self.sigma2 + self.eps1 * largest + self.eps2
 
     def q2(self) -> float:
         """The block scaling ``max(n_in / N, 1)`` (Linear) or ``max(fan_in / N, sqrt(H W))`` (Conv2d)."""
@@ -111,17 +116,16 @@ class BNPLayer(nn.Module):
     def _per_weight(self, v: Tensor, weight: Tensor) -> Tensor:
         """``v`` (one entry per input channel) laid out to broadcast against ``weight``.
 
-        In a grouped conv, ``weight[i, j]`` reads input channel ``g * (c_in / groups) + j``
-        where ``g`` is output channel ``i``'s group.
+        In a grouped conv (or a :class:`PackedLinear`), ``weight[i, j]`` reads input channel
+        ``g * (c_in / groups) + j`` where ``g`` is output channel ``i``'s group.
         """
-        if not self.conv:
-            return v.view(1, -1)
+        kernel = [1] * (weight.dim() - 2)
         if self.groups == 1:
-            return v.view(1, -1, 1, 1)
+            return v.view(1, -1, *kernel)
         per_group = self.in_features // self.groups
         rows = weight.shape[0] // self.groups
         v = v.view(self.groups, 1, per_group).expand(self.groups, rows, per_group)
-        return v.reshape(weight.shape[0], per_group, 1, 1)
+        return v.reshape(weight.shape[0], per_group, *kernel)
 
     @torch.no_grad()
     def precondition(self, weight: Tensor, bias: Optional[Tensor]) -> None:
@@ -182,7 +186,7 @@ class BNP:
         self._pairs: list[tuple[nn.Module, BNPLayer]] = []
         self._handles: list[RemovableHandle] = []
         for name, module in model.named_modules():
-            if isinstance(module, (nn.Linear, nn.Conv2d)):
+            if isinstance(module, (nn.Linear, nn.Conv2d, PackedLinear)):
                 state = BNPLayer(name, module, rho, eps1, eps2)
                 self._pairs.append((module, state))
                 self._handles.append(module.register_forward_pre_hook(partial(self._observe, state)))

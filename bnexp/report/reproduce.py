@@ -1,7 +1,9 @@
 """``bnexp reproduce <paper>/<name>``: count, cost, run a preset's sweeps, print its table.
 
 The sweeps run as ``bnexp train -m experiment=<preset>`` in this process (any Hydra
-launcher override, such as ``hydra/launcher=joblib``, passes through). A full-scale
+launcher override, such as ``hydra/launcher=joblib``, passes through; on a machine with a
+GPU and no launcher chosen, ``hydra/launcher=pack`` trains each cell's seeds as packs, see
+docs/speed.md). A full-scale
 preset stops before launching on a machine without a GPU unless ``force=true``.
 ``tune_seeds=N`` runs a preset whose table tunes a parameter for the best mean (the rho
 of CBN Tables 1-4) in two stages: the sweeps that vary it on seeds 0..N-1 (the others on
@@ -30,7 +32,15 @@ def launch(p: Preset, sweep: Optional[Sequence[str]] = None) -> int:
     from bnexp.app import multirun
 
     only = [] if sweep is None else ["hydra.sweeper.sweeps=[]", *sweep]
-    return multirun([*preset_overrides(p.name, p.scale), *p.overrides, *only])
+    return multirun([*preset_overrides(p.name, p.scale), *default_launcher(p.overrides), *p.overrides, *only])
+
+
+def default_launcher(overrides: Sequence[str]) -> list[str]:
+    """``hydra/launcher=pack`` on a machine with a GPU unless ``overrides`` choose a launcher."""
+    import torch
+
+    chosen = any(o.lstrip("+~").startswith("hydra/launcher=") for o in overrides)
+    return ["hydra/launcher=pack"] if torch.cuda.is_available() and not chosen else []
 
 
 def tuned_key(p: Preset) -> str:

@@ -1,0 +1,147 @@
+"""Packed runs: K models of one architecture trained as one model (``trainer.pack``).
+
+Run ``k`` owns the ``k``-th of K equal blocks of channels in every activation: the input
+images of the K runs are concatenated along the channels, every convolution is grouped by
+run, every Linear becomes a :class:`bnexp.nn.packed.PackedLinear`, and the per-channel
+normalizations (BN, the CBN/POP-Norm family with AMAT, batch renorm, bn_si) simply have K
+times the channels. Group and layer normalization get K times the groups. Nothing mixes
+two runs' values, so run ``k`` of a pack computes what the same model alone computes.
+
+Every tensor of a packed model's state (parameters, buffers, momentum, BNP's statistics)
+is the runs' tensors concatenated along dim 0, except 0-d counters, which the runs share:
+:func:`pack_state` and :func:`unpack_state` convert, so a run's state taken out of a pack
+loads into the plain model.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+from torchvision.ops import StochasticDepth
+
+from bnexp.errors import ConfigError
+from bnexp.models.layers import NormOp
+from bnexp.models.resnet_cifar import OptionAShortcut
+from bnexp.nn._base import ChannelNorm
+from bnexp.nn.packed import PackedLinear
+
+# Modules whose channels are independent whatever their number (nothing to change).
+CHANNELWISE = (nn.Sequential, nn.Identity, nn.Flatten, nn.AdaptiveAvgPool2d, nn.MaxPool2d, nn.AvgPool2d,
+               nn.ReLU, nn.Sigmoid, nn.Tanh, nn.SiLU, nn.SELU, nn.Softplus, nn.GELU)
+
+
+def pack_state(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The packed state of ``states`` (one per run, same keys): tensors concatenated along
+    dim 0, 0-d tensors and other values taken from the first run (they must agree)."""
+    packed: dict[str, Any] = {}
+    for key, first in states[0].items():
+        if isinstance(first, Tensor) and first.dim() > 0:
+            packed[key] = torch.cat([s[key] for s in states])
+        elif isinstance(first, Mapping):
+            packed[key] = pack_state([s[key] for s in states])
+        else:
+            packed[key] = first
+    return packed
+
+
+def unpack_state(state: Mapping[str, Any], runs: int) -> list[dict[str, Any]]:
+    """One state per run out of a packed ``state``: the inverse of :func:`pack_state`."""
+    out: list[dict[str, Any]] = [{} for _ in range(runs)]
+    for key, value in state.items():
+        if isinstance(value, Tensor) and value.dim() > 0:
+            parts: Sequence[Any] = value.chunk(runs)
+        elif isinstance(value, Mapping):
+            parts = unpack_state(value, runs)
+        else:
+            parts = [value] * runs
+        for k in range(runs):
+            out[k][key] = parts[k].clone() if isinstance(parts[k], Tensor) else parts[k]
+    return out
+
+
+def _packed_conv(conv: nn.Conv2d, runs: int) -> nn.Conv2d:
+    packed = nn.Conv2d(runs * conv.in_channels, runs * conv.out_channels, conv.kernel_size, conv.stride,
+                       conv.padding, conv.dilation, runs * conv.groups, conv.bias is not None, conv.padding_mode,
+                       device=conv.weight.device, dtype=conv.weight.dtype)
+    packed.runs = runs  # type: ignore[assignment]  # read by BNP (per-run regularizer)
+    return packed
+
+
+def _widen_channels(norm: nn.Module, runs: int) -> nn.Module:
+    """A per-channel normalization with ``runs`` times its channels (values set later)."""
+    norm.num_features *= runs
+    for name, tensor in [*norm.named_parameters(recurse=False), *norm.named_buffers(recurse=False)]:
+        if tensor.dim() > 0:
+            wide = tensor.detach().repeat(runs, *[1] * (tensor.dim() - 1))
+            setattr(norm, name, nn.Parameter(wide) if isinstance(tensor, nn.Parameter) else wide)
+    return norm
+
+
+def _packed_module(name: str, module: nn.Module, runs: int) -> nn.Module:
+    """The packed counterpart of one module, or a ConfigError naming what cannot be packed."""
+    if isinstance(module, nn.Conv2d):
+        return _packed_conv(module, runs)
+    if isinstance(module, nn.Linear):
+        packed = PackedLinear(runs, module.in_features, module.out_features, module.bias is not None)
+        return packed.to(module.weight)
+    if isinstance(module, nn.GroupNorm):
+        return nn.GroupNorm(runs * module.num_groups, runs * module.num_channels, module.eps, module.affine,
+                            device=module.weight.device, dtype=module.weight.dtype)
+    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1:  # over features: one group per run
+        return nn.GroupNorm(runs, runs * module.normalized_shape[0], module.eps, module.elementwise_affine,
+                            device=module.weight.device, dtype=module.weight.dtype)
+    if isinstance(module, (ChannelNorm, nn.modules.batchnorm._BatchNorm)):
+        return _widen_channels(module, runs)
+    if isinstance(module, OptionAShortcut):
+        module.runs = runs
+        return module
+    if isinstance(module, (nn.Dropout, StochasticDepth)):
+        if module.p == 0:
+            return module
+        raise ConfigError(f"trainer.pack: {name or 'the model'} ({type(module).__name__}, p={module.p}) draws random "
+                          "masks, which a pack cannot draw as each run alone would: set the model's dropout and "
+                          "stochastic depth to 0, or use trainer.pack=1")
+    if isinstance(module, CHANNELWISE) or not (list(module.parameters(False)) or list(module.buffers(False))):
+        return module
+    raise ConfigError(f"trainer.pack: {name} ({type(module).__name__}) cannot be packed: bnexp knows how to pack "
+                      "convolutions, linear layers, per-channel, group and layer normalizations; use trainer.pack=1")
+
+
+def pack_models(models: Sequence[nn.Module]) -> nn.Module:
+    """One model computing ``models`` (same architecture, one per run) side by side.
+
+    Its input is the runs' images concatenated along the channels, its output the runs'
+    logits concatenated along dim 1 (``(N, K * classes)``). The models are not changed.
+    """
+    runs = len(models)
+    packed = copy.deepcopy(models[0])
+    if runs > 1:
+        for name, module in list(packed.named_modules()):
+            new = _packed_module(name, module, runs)
+            if new is not module:
+                parent, _, attr = name.rpartition(".")
+                setattr(packed.get_submodule(parent), attr, new)
+        for unit in packed.modules():  # bn_si reads the weight of the op in front of it
+            if isinstance(unit, NormOp) and hasattr(unit.post, "bind"):
+                unit.post.bind(unit.op)
+    packed.load_state_dict(pack_state([m.state_dict() for m in models]))
+    return packed
+
+
+def pack_inputs(images: Sequence[Tensor]) -> Tensor:
+    """The runs' batches of images, ``(N, C, ...)`` each, as one packed input ``(N, K * C, ...)``."""
+    return images[0] if len(images) == 1 else torch.cat(list(images), dim=1)
+
+
+def per_run(logits: Tensor, runs: int) -> Tensor:
+    """A packed model's logits ``(N, K * classes)`` as ``(N, K, classes)``."""
+    return logits.view(logits.shape[0], runs, -1)
+
+
+def packed_losses(logits: Tensor, targets: Tensor) -> Tensor:
+    """Each run's mean cross-entropy, ``(K,)``, from packed logits and targets ``(N, K)``."""
+    by_run = per_run(logits, targets.shape[1])
+    return nn.functional.cross_entropy(by_run.transpose(1, 2), targets, reduction="none").mean(0)
