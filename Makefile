@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BNEXP := $(VENV)/bin/bnexp
 STAMP := $(VENV)/.bnexp-installed
 
-.PHONY: install test demo clean wheels install-offline gpu-check
+.PHONY: install test lint demo clean wheels install-offline gpu-check
 
 install: $(STAMP)
 
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: install
 	$(PY) -m pytest -q
+
+# ruff, configured in pyproject.toml ([tool.ruff]); CI runs it before the tests.
+lint: install
+	$(PY) -m ruff check .
 
 # The main job, briefly. Exit code 3 means CIFAR-10 is not on disk and cannot be
 # downloaded; only then does the demo fall back to real digits (scikit-learn's bundled

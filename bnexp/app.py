@@ -266,6 +266,7 @@ def register_plugins() -> None:
     scan finds them; an editable install's import hook hides them from that scan, so they
     are registered by hand, as Hydra's ``Plugins.register`` allows."""
     from hydra.core.plugins import Plugins
+
     from hydra_plugins.bnexp_launcher import PackLauncher
     from hydra_plugins.bnexp_sweeper import BnexpSweeper
 

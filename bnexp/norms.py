@@ -18,8 +18,18 @@ from typing import Any, Callable, Mapping, Optional, Union
 from torch import nn
 
 from bnexp.errors import ConfigError, unknown_choice
-from bnexp.nn import (BatchRenorm1d, BatchRenorm2d, CBN1d, CBN2d, NormFamily1d, NormFamily2d, POPNorm1d, POPNorm2d,
-                      ScaleInvariantBN1d, ScaleInvariantBN2d)
+from bnexp.nn import (
+    BatchRenorm1d,
+    BatchRenorm2d,
+    CBN1d,
+    CBN2d,
+    NormFamily1d,
+    NormFamily2d,
+    POPNorm1d,
+    POPNorm2d,
+    ScaleInvariantBN1d,
+    ScaleInvariantBN2d,
+)
 from bnexp.registry import Registry
 
 AFTER_OP = "after_op"

@@ -27,8 +27,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from bnexp.config import lr_not_applicable
 from bnexp.checkpoint import FINAL, periodic_checkpoints, verified_bytes
+from bnexp.config import lr_not_applicable
 from bnexp.errors import EXIT_FAILED, ConfigError, OtherRunThere
 from bnexp.identity import cell_name, differences, fingerprint, override_key
 from bnexp.runlock import HELD_ENV

@@ -24,12 +24,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from bnexp import checkpoint
+from bnexp import checkpoint, distributed
 from bnexp.callbacks import Callback, TrainState
 from bnexp.config import RESUME_MODES, validate
 from bnexp.data import build_data
 from bnexp.data.loaders import build_loaders, drop_last
-from bnexp import distributed
 from bnexp.distributed import gather_objects, max_over_ranks, sum_over_ranks
 from bnexp.errors import ConfigError, OtherRunThere
 from bnexp.identity import differences, fingerprint

@@ -10,8 +10,24 @@ import pandas as pd
 import pytest
 
 from bnexp.report.results import load_summaries
-from bnexp.studies.claims import (CHANCE, CLAIMS, FAILS, HOLDS, NOT_RUN, SHOWN, Sample, arm_overrides, beats_clearly,
-                                  judge_arora, judge_bnp, judge_cbn, judge_forms, judge_hessian, judge_lr, merged)
+from bnexp.studies.claims import (
+    CHANCE,
+    CLAIMS,
+    FAILS,
+    HOLDS,
+    NOT_RUN,
+    SHOWN,
+    Sample,
+    arm_overrides,
+    beats_clearly,
+    judge_arora,
+    judge_bnp,
+    judge_cbn,
+    judge_forms,
+    judge_hessian,
+    judge_lr,
+    merged,
+)
 from tests.conftest import run_cli
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from bnexp.data.device import draws, pad_crop_flip
 from bnexp.models import DataSpec, build_model
-from bnexp.nn import BNP, CBN2d, NormFamily2d, POPNorm2d, BatchRenorm2d, set_learning_rate
+from bnexp.nn import BNP, BatchRenorm2d, CBN2d, NormFamily2d, POPNorm2d, set_learning_rate
 from tests.conftest import TINY, compose_cfg, run_cli
 from tests.test_resilience import CrashAt, assert_same_run, run_inprocess
 from tests.test_speed_paths import bound_si

@@ -16,6 +16,7 @@ from bnexp import checkpoint
 from bnexp.callbacks import TrainState
 from bnexp.data import build_data
 from bnexp.data.loaders import build_loaders
+from bnexp.errors import EXIT_PREEMPTED
 from bnexp.methods import WeightNormLog, method_callbacks
 from bnexp.models import DataSpec, build_model
 from bnexp.models.packing import pack_inputs, pack_models, pack_state, packed_losses, unpack_state
@@ -25,7 +26,6 @@ from bnexp.optim import build_optimizer, build_schedule
 from bnexp.runinfo import seed_everything
 from bnexp.speed import Accelerated
 from bnexp.trainer import evaluate, train_step
-from bnexp.errors import EXIT_PREEMPTED
 from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli
 from tests.test_resilience import assert_same_run, cli_command, wait_for_checkpoint
 

@@ -21,7 +21,7 @@ from bnexp.data.device import draws, pad_crop_flip
 from bnexp.data.loaders import build_loaders, loader_kind
 from bnexp.errors import ConfigError
 from bnexp.models import DataSpec, build_model
-from bnexp.nn import BNP, CBN2d, NormFamily2d, POPNorm2d, BatchRenorm2d, ScaleInvariantBN2d, set_learning_rate
+from bnexp.nn import BNP, BatchRenorm2d, CBN2d, NormFamily2d, POPNorm2d, ScaleInvariantBN2d, set_learning_rate
 from bnexp.nn._base import affine, channel_sums, var_mean_per_channel
 from bnexp.speed import Accelerated, amp_mode
 from bnexp.trainer import train
@@ -121,7 +121,7 @@ def test_device_augmentation_has_torchvisions_distribution() -> None:
     n, cells = 2000, 2 * PAD + 1
     images = {"device": device_draws(n), "torch": torch.stack(torchvision_draws(n))}
     draws = {k: [decode(x) for x in v] for k, v in images.items()}
-    offsets = {k: torch.bincount(torch.tensor([t * cells + l for t, l, _ in v]), minlength=cells**2).double()
+    offsets = {k: torch.bincount(torch.tensor([t * cells + left for t, left, _ in v]), minlength=cells**2).double()
                for k, v in draws.items()}
     for counts in offsets.values():  # uniform over the 81 offsets: chi2(80) 0.999-quantile is 124.8
         assert chi_square(counts, torch.full_like(counts, n / cells**2)) < 124.8

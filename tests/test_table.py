@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from bnexp.errors import ConfigError
 from bnexp.report.layouts import Axis, Layout
 from bnexp.report.presets import load_preset
 from bnexp.report.results import load_summaries
 from bnexp.report.table import build, render
-from omegaconf import OmegaConf
-
 from tests.conftest import compose_cfg, run_cli
 
 LAYOUT = Layout(

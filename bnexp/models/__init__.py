@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping
 
 from torch import nn
 
+from bnexp.errors import ConfigError
 from bnexp.models.bnp_nets import CNN5, MLP
 from bnexp.models.efficientnet import EfficientNet
 from bnexp.models.layers import LayerBuilder
@@ -15,7 +16,6 @@ from bnexp.models.preact_resnet import PreActResNet
 from bnexp.models.resnet_cifar import CifarResNet
 from bnexp.models.resnet_imagenet import RESNET_DEPTHS, ImageNetResNet
 from bnexp.models.vgg import VGG
-from bnexp.errors import ConfigError
 from bnexp.norms import ChannelsError, NormSpec, build_norm_spec
 from bnexp.registry import Registry
 

@@ -19,11 +19,11 @@ from typing import Any, Mapping, Sequence
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from bnexp.cmdline import compose_or_explain
 from bnexp.commands import split_options
 from bnexp.config import config_dir, hydra_session, is_group, parser
-from bnexp.cmdline import compose_or_explain
-from bnexp.identity import fingerprint, override_key, result_config
 from bnexp.errors import ConfigError, unknown_choice
+from bnexp.identity import fingerprint, override_key, result_config
 from bnexp.report.layouts import Layout, layout_from
 from bnexp.sweep import Job, Values, expand, parse_values, select, sweep_lines, union
 

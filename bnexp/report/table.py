@@ -22,10 +22,10 @@ import pandas as pd
 
 from bnexp.commands import exit_on_error
 from bnexp.errors import ConfigError, unknown_choice
-from bnexp.report.layouts import METRIC_LABELS, METRICS, Layout, same
 from bnexp.identity import differences, is_non_result
-from bnexp.report.presets import SEED, Preset, load_preset, parse_command, sweep_folder
 from bnexp.reference import published
+from bnexp.report.layouts import METRIC_LABELS, METRICS, Layout, same
+from bnexp.report.presets import SEED, Preset, load_preset, parse_command, sweep_folder
 from bnexp.report.results import load_summaries, seconds_per_epoch
 from bnexp.report.stability import largest_stable
 

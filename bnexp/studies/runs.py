@@ -11,11 +11,10 @@ from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
 from bnexp.commands import exit_on_error, split_options
-from bnexp.config import check_published_lr, lr_not_applicable
+from bnexp.config import check_published_lr, hydra_session, lr_not_applicable
 from bnexp.errors import ConfigError, OtherRunThere
 from bnexp.identity import differences, fingerprint
 from bnexp.runlock import RunLock
-from bnexp.config import hydra_session
 from bnexp.sweep import skip_reason
 
 T = TypeVar("T")
