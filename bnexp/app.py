@@ -10,13 +10,15 @@ preemption stop a sweep too, after its report.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import sys
 import traceback
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -57,8 +59,26 @@ class Job:
     run_dir: Path
 
 
-def train_job(cfg: DictConfig) -> float | None:
-    """One Hydra job; returns the run's final top-1 (None when it did not finish).
+def result_value(status: str, summary: Mapping[str, Any]) -> float:
+    """What a job returns to a sweeper (an Optuna search maximizes it): the final top-1 of a
+    completed run (also when a re-run skips it), NaN for any other outcome (diverged, failed,
+    locked, stopped), which Optuna records as a failed trial."""
+    top1 = summary.get("final_top1")
+    done = status == "completed" or (status == "skipped" and summary.get("status") == "completed")
+    return float(top1) if done and top1 is not None else math.nan
+
+
+def stored_summary(run_dir: Path) -> dict[str, Any]:
+    """A run directory's summary.json, empty when it has none."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def train_job(cfg: DictConfig) -> float:
+    """One Hydra job; returns the run's final top-1 (:func:`result_value`: NaN when it did
+    not complete).
 
     The outcome goes to the sweep's ledger (:func:`bnexp.sweep.record`). A failure ends a
     single run with its exit code; in a sweep the next cell runs. A preemption or Ctrl-C
@@ -85,8 +105,8 @@ def train_job(cfg: DictConfig) -> float | None:
 
 
 def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[str, Any]]]) -> list[Any]:
-    """Run ``work`` (the (status, final top-1) of each of ``run_dirs``), recording each
-    outcome in the sweep's ledger; returns the top-1 values, None for a run that failed."""
+    """Run ``work`` (the (status, value) of each of ``run_dirs``), recording each outcome in
+    the sweep's ledger; returns the values (:func:`result_value`), NaN for a run that failed."""
     from bnexp.sweep import job_status, record
 
     where = ", ".join(str(d) for d in run_dirs)
@@ -110,7 +130,7 @@ def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[
         report_error(str(err), to_log=err.in_run_log)
         if not sweeping:
             sys.exit(err.exit_code)
-        return [None] * len(run_dirs)
+        return [math.nan] * len(run_dirs)
     except Exception as err:  # recorded in summary.json with its traceback
         for run_dir in run_dirs:
             record(run_dir, "failed", f"{type(err).__name__}: {err}")
@@ -118,7 +138,7 @@ def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[
                      traceback.format_exc())
         if not sweeping:
             sys.exit(EXIT_FAILED)
-        return [None] * len(run_dirs)
+        return [math.nan] * len(run_dirs)
     for run_dir, (status, _) in zip(run_dirs, outcomes):
         record(run_dir, status)
     return [value for _, value in outcomes]
@@ -166,10 +186,10 @@ def with_overrides(hydra_cfg: DictConfig, task: list[str], run_dir: Path) -> Dic
 def train_pack_job(jobs: list[Job], sweeping: bool) -> list[Any]:
     """Train ``jobs`` (runs that differ in their seed only) as one pack: each takes its
     directory's lock and is skipped when finished already; the rest train together
-    (:mod:`bnexp.pack`). Returns each run's final top-1 (None when it did not finish)."""
+    (:mod:`bnexp.pack`). Returns each run's :func:`result_value`."""
     from bnexp.sweep import record
 
-    values: dict[Path, Any] = {}
+    values: dict[Path, float] = {}
     with ExitStack() as locks:
         todo = []
         for job in jobs:
@@ -177,6 +197,7 @@ def train_pack_job(jobs: list[Job], sweeping: bool) -> list[Any]:
                 locks.enter_context(RunLock(job.run_dir))
                 if prepare_job(job, write=True):
                     record(job.run_dir, "skipped")
+                    values[job.run_dir] = result_value("skipped", stored_summary(job.run_dir))
                 else:
                     todo.append(job)
             except BnexpError as err:
@@ -187,7 +208,7 @@ def train_pack_job(jobs: list[Job], sweeping: bool) -> list[Any]:
         if todo:
             dirs = [job.run_dir for job in todo]
             values.update(zip(dirs, guarded(dirs, sweeping, lambda: pack_outcomes(todo))))
-    return [values.get(job.run_dir) for job in jobs]
+    return [values.get(job.run_dir, math.nan) for job in jobs]
 
 
 def prepare_job(job: Job, write: bool) -> bool:
@@ -212,7 +233,7 @@ def pack_outcomes(jobs: list[Job]) -> list[tuple[str, Any]]:
     summaries = train_pack([job.cfg for job in jobs], [job.run_dir for job in jobs])
     for job, summary in zip(jobs, summaries):
         log.info("%s: status %s, final top-1 %s", job.run_dir, summary["status"], summary.get("final_top1"))
-    return [(summary["status"], summary.get("final_top1")) for summary in summaries]
+    return [(summary["status"], result_value(summary["status"], summary)) for summary in summaries]
 
 
 def run_job(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: Path, sweeping: bool) -> tuple[str, Any]:
@@ -221,16 +242,17 @@ def run_job(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: Path, sweeping: boo
     from bnexp.trainer import train
 
     if prepare_job(Job(cfg, hydra_cfg, run_dir), write=from_environment().is_main):
-        return "skipped", None
+        return "skipped", result_value("skipped", stored_summary(run_dir))
     if sweeping:
         spread_over_gpus(hydra_cfg.job.num)
     if int(cfg.trainer.nproc) > 1 and not from_environment().enabled:
         validate(cfg)  # before starting processes that would all fail the same way
         check_gpus(int(cfg.trainer.nproc), str(cfg.trainer.device))
-        return _launch_processes(int(cfg.trainer.nproc), list(hydra_cfg.overrides.task), run_dir, sweeping), None
+        status = _launch_processes(int(cfg.trainer.nproc), list(hydra_cfg.overrides.task), run_dir, sweeping)
+        return status, result_value(status, stored_summary(run_dir))
     summary = train(cfg, run_dir)
     log.info("%s: status %s, final top-1 %s", run_dir, summary["status"], summary.get("final_top1"))
-    return summary["status"], summary.get("final_top1")
+    return summary["status"], result_value(summary["status"], summary)
 
 
 def save_hydra_files(run_dir: Path, hydra_cfg: DictConfig, cfg: DictConfig) -> None:
@@ -274,6 +296,15 @@ def register_plugins() -> None:
     Plugins.instance().register(PackLauncher)
 
 
+def search_sweeper(args: Sequence[str]) -> list[str]:
+    """``hydra/sweeper=<search>`` for ``hparams_search=<search>`` when no sweeper is chosen:
+    configs/train.yaml's own choice (bnexp's sweeper) outranks one made in a config it
+    loads, so the search config cannot choose its sweeper itself."""
+    search = [a.split("=", 1)[1] for a in args if a.startswith("hparams_search=")]
+    chosen = any(a.lstrip("+~").startswith("hydra/sweeper=") for a in args)
+    return [f"hydra/sweeper={search[-1]}"] if search and not chosen else []
+
+
 def train_command(args: list[str]) -> None:
     """``bnexp train``: check the command line, then hand it to Hydra. ``--dry-run`` (with
     ``-m``) lists a sweep's jobs and run directories without running them."""
@@ -284,6 +315,7 @@ def train_command(args: list[str]) -> None:
     register_plugins()
     multirun_flags = [a for a in args if a in ("-m", "--multirun")]
     args = multirun_flags + [a for a in args if a not in multirun_flags]  # `train a=1 -m b=2,3` works too
+    args += search_sweeper(args)
     try:
         if "--dry-run" in args:
             if not {"-m", "--multirun"} & set(args):
@@ -294,7 +326,10 @@ def train_command(args: list[str]) -> None:
         print_error(str(err))
         sys.exit(err.exit_code)
     app = hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")(train_job)
-    sys.argv = ["bnexp train", *args, *rank_overrides()]
+    # Hydra's shell completion registers and queries the program named here (bnexp/cli.py
+    # routes `bnexp -sc query=...` back to this command)
+    program = "bnexp" if {"-sc", "--shell-completion"} & set(args) else "bnexp train"
+    sys.argv = [program, *args, *rank_overrides()]
     try:
         app()
     except SystemExit as exit_:

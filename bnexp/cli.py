@@ -1,12 +1,19 @@
 """The ``bnexp`` command: ``bnexp <command> [args]``.
 
 ``bnexp train [overrides]`` and ``bnexp train -m [sweep overrides]`` are the Hydra
-application of :mod:`bnexp.app`; the other commands parse their own arguments.
+application of :mod:`bnexp.app` (``bnexp train --help`` is Hydra's help, with the config
+groups); the other commands parse their own ``key=value`` arguments, and ``bnexp <command>
+--help`` prints the documentation of the module that implements it. ``bnexp --version``
+prints the versions and the source of this install. Hydra's shell completion
+(``eval "$(bnexp train -sc install=bash)"``) queries ``bnexp -sc query=bash``, which is
+routed to ``bnexp train``.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 import sys
 from typing import Callable
 
@@ -22,12 +29,13 @@ commands:
   table      a preset's results in the paper's layout: bnexp table cbn/table1 [results=DIR] [format=latex],
              or any sweep folder: bnexp table DIR [rows=KEY] [cols=KEY] [metric=top1|best_top1|top5]
   plot       loss / accuracy curves: bnexp plot cbn/table1 [results=DIR] [out=DIR], or bnexp plot DIR [out=DIR]
-  bench      speed: bnexp bench norms|step|data|run [reps=5] [out=FILE.json] (docs/benchmarks.md)
+  bench      speed: bnexp bench norms|step|data|run|pack [reps=5] [out=FILE.json] (docs/benchmarks.md)
   lrsearch   largest stable lr per method (CBN Table 6): bnexp lrsearch [methods=[none,cbn]] [acts=[relu]] [lrs=[...]] [out=DIR]
   hessian    Hessian condition numbers in training (BNP Fig. 8): bnexp hessian [norms=[none,bnp]] [out=DIR]
   claims     the papers' claims checked on real digits, with verdicts: bnexp claims [all | NAME ...] [scale=quick]
 
-Run `bnexp train --help` for the config groups and their options."""
+Run `bnexp train --help` for the config groups and their options, `bnexp <command> --help` for a
+command's options, `bnexp --version` for the versions of this install."""
 
 
 def _report_command(name: str) -> Callable[[list[str]], None]:
@@ -48,14 +56,73 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
 }
 
 
+# The module whose docstring is each command's --help, and the optional extras it needs.
+MODULES = {"reproduce": "bnexp.report.reproduce", "table": "bnexp.report.table", "plot": "bnexp.report.plot",
+           "bench": "bnexp.bench", "lrsearch": "bnexp.studies.lrsearch", "hessian": "bnexp.studies.hessian",
+           "claims": "bnexp.studies.claims"}
+EXTRAS = {"plot": ("matplotlib", "plot"), "hessian": ("matplotlib", "plot")}
+
+
+def version() -> str:
+    """``bnexp --version``: bnexp's version and source (a git checkout's commit), torch's."""
+    import torch
+
+    from bnexp.runinfo import source_of_bnexp
+
+    source = source_of_bnexp()
+    where = f"git {source['git_commit'][:12]}{' (dirty)' if source['git_dirty'] else ''}" if source["git_commit"] \
+        else "installed package"
+    return f"bnexp {source['bnexp_version']} ({where}), torch {torch.__version__}, python {sys.version.split()[0]}"
+
+
+def command_help(command: str) -> str:
+    """``bnexp <command> --help``: the documentation of the module implementing it."""
+    doc = importlib.import_module(MODULES[command]).__doc__ or ""
+    return f"usage: bnexp {command} [key=value ...]\n\n{doc.strip()}"
+
+
+def completion(argv: list[str]) -> None:
+    """Answer a shell-completion query: command names, or Hydra's completion of ``bnexp train``."""
+    line = os.environ.get("COMP_LINE", "")
+    words = line.split(" ", 2)
+    if len(words) <= 2:  # still typing the command name
+        typed = words[1] if len(words) == 2 else ""
+        print(" ".join(name for name in COMMANDS if name.startswith(typed)))
+        return
+    if words[1] == "train":
+        os.environ["COMP_LINE"] = f"{words[0]} {words[2]}"
+        train_command(argv)
+
+
+def missing_extra(command: str) -> str | None:
+    """Why ``command`` cannot run here: an optional dependency it needs is not installed."""
+    module, extra = EXTRAS.get(command, (None, None))
+    if module is None or importlib.util.find_spec(module) is not None:
+        return None
+    return f"bnexp {command} needs {module}, which is not installed: pip install 'bnexp[{extra}]'"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``bnexp`` console script."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return
+    if argv[0] in ("-V", "--version"):
+        print(version())
+        return
+    if argv[0] in ("-sc", "--shell-completion"):
+        completion(argv)
+        return
     command, args = argv[0], argv[1:]
     if command not in COMMANDS:
         print_error(f"unknown command {command!r}; valid commands: {', '.join(sorted(COMMANDS))}")
         sys.exit(EXIT_CONFIG)
+    missing = missing_extra(command)
+    if missing:
+        print_error(missing)
+        sys.exit(EXIT_CONFIG)
+    if command != "train" and {"-h", "--help"} & set(args):
+        print(command_help(command))
+        return
     COMMANDS[command](args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import random
@@ -67,24 +68,34 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def git_commit() -> str | None:
-    """The commit of the bnexp checkout this code runs from, when it is one."""
+def _git(root: Path, *args: str) -> str | None:
+    """``git args`` run in ``root``; its output, or None when it fails (no git, no repository)."""
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(bnexp.__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
-    commit = out.stdout.strip()
-    return commit if out.returncode == 0 and commit else None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+@functools.lru_cache(maxsize=1)
+def source_of_bnexp() -> dict[str, Any]:
+    """bnexp's version and, when it runs from a git checkout of bnexp itself (the package
+    folder at the top of the repository, beside bnexp's pyproject.toml), that checkout's
+    commit and whether tracked files differ from it; never the commit of a repository the
+    package merely sits in (a wheel installed into a project's virtual environment)."""
+    package = Path(bnexp.__file__).resolve().parent
+    top = _git(package, "rev-parse", "--show-toplevel")
+    project = package.parent / "pyproject.toml"
+    ours = (top is not None and Path(top).resolve() == package.parent and project.is_file()
+            and 'name = "bnexp"' in project.read_text(errors="replace"))
+    commit = _git(package, "rev-parse", "HEAD") if ours else None
+    dirty = bool(_git(package, "status", "--porcelain", "--untracked-files=no")) if commit else None
+    return {"bnexp_version": bnexp.__version__, "git_commit": commit or None, "git_dirty": dirty}
 
 
 def version_stamp() -> dict[str, Any]:
-    return {"bnexp_version": bnexp.__version__, "git_commit": git_commit(), "torch_version": torch.__version__}
+    """What a summary records of the software: :func:`source_of_bnexp` and torch's version."""
+    return {**source_of_bnexp(), "torch_version": torch.__version__}
 
 
 class MetricsWriter:

@@ -1,0 +1,135 @@
+"""bnexp next to the researcher's other tools: CLI conventions, shell completion, sweepers
+(Optuna), optional extras, provenance, packaging."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import bnexp
+from bnexp.app import result_value
+from bnexp.cli import COMMANDS, main
+from tests.conftest import TINY, compose_cfg, run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_version_names_bnexp_torch_and_the_checkout(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag in ("--version", "-V"):
+        code, out = run_cli([flag], capsys)
+        assert code == 0 and out.startswith(f"bnexp {bnexp.__version__} (") and "torch " in out
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_cli([command, "--help"], capsys)
+    assert code == 0, out
+    assert (f"usage: bnexp {command}" in out) if command != "train" else ("== Configuration groups ==" in out)
+
+
+def test_shell_completion_answers_for_bnexp_train(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    code, script = run_cli(["train", "-sc", "install=bash"], capsys)
+    assert code == 0 and "complete -o nospace -o default -F hydra_bash_completion bnexp" in script
+    monkeypatch.setenv("COMP_LINE", "bnexp tr")
+    assert run_cli(["-sc", "query=bash"], capsys) == (0, "train\n")
+    monkeypatch.setenv("COMP_LINE", "bnexp train norm=cb")
+    code, out = run_cli(["-sc", "query=bash"], capsys)
+    assert code == 0 and out.split() == ["norm=cbn"]
+
+
+def test_a_missing_extra_is_named(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    code, out = run_cli(["plot", "cbn/table1"], capsys)
+    assert code == 2 and "pip install 'bnexp[plot]'" in out
+
+
+def test_result_value_is_a_float_for_every_outcome() -> None:
+    assert result_value("completed", {"final_top1": 91.5}) == 91.5
+    assert result_value("skipped", {"status": "completed", "final_top1": 88.0}) == 88.0
+    for status, summary in [("diverged", {"final_top1": 10.0}), ("failed", {}), ("skipped", {"status": "diverged"}),
+                            ("preempted", {"final_top1": 50.0})]:
+        assert math.isnan(result_value(status, summary))
+
+
+def test_a_skipped_run_returns_its_stored_top1(tmp_path: Path, capsys) -> None:
+    from omegaconf import OmegaConf
+
+    from bnexp.app import run_job
+
+    assert run_cli(["train", *TINY, f"hydra.run.dir={tmp_path / 'run'}"], capsys)[0] == 0
+    stored = json.loads((tmp_path / "run" / "summary.json").read_text())["final_top1"]
+    hydra_cfg = OmegaConf.create({"overrides": {"task": TINY}})
+    assert run_job(compose_cfg(TINY), hydra_cfg, tmp_path / "run", sweeping=True) == ("skipped", stored)
+
+
+def test_optuna_search_runs_three_trials(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "search"
+    code, out = run_cli(["train", "-m", "hparams_search=optuna", "norm=cbn", *TINY, "hydra.sweeper.n_trials=3",
+                         f"hydra.sweep.dir={root}"], capsys)
+    assert code == 0, out
+    summaries = [json.loads(p.read_text()) for p in root.glob("*/summary.json")]
+    assert len(summaries) == 3 and len({s["config"]["optim"]["lr"] for s in summaries}) == 3
+    assert all(0.25 <= s["config"]["norm"]["rho"] <= 4.0 and 0.001 <= s["config"]["optim"]["lr"] <= 1.0
+               for s in summaries)
+    results = (root / "optimization_results.yaml").read_text()
+    best = max(s["final_top1"] for s in summaries)
+    assert f"best_value: {best}" in results and "3 completed" in out
+
+
+def source_from(folder: Path) -> dict:
+    """:func:`bnexp.runinfo.source_of_bnexp` of the bnexp package copied under ``folder``."""
+    code = "import json; from bnexp.runinfo import source_of_bnexp; print(json.dumps(source_of_bnexp()))"
+    env = {**os.environ, "PYTHONPATH": str(folder)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=folder, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def git(folder: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=folder, check=True,
+                   capture_output=True)
+
+
+def test_provenance_is_bnexp_s_own_checkout_never_the_caller_s(tmp_path: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__")
+    checkout = tmp_path / "checkout"  # a clone of bnexp: its commit, and whether it was edited
+    shutil.copytree(ROOT / "bnexp", checkout / "bnexp", ignore=ignore)
+    shutil.copy(ROOT / "pyproject.toml", checkout)
+    git(checkout, "init", "-q")
+    git(checkout, "add", "-A")
+    git(checkout, "commit", "-qm", "x")
+    clean = source_from(checkout)
+    assert len(clean["git_commit"]) == 40 and clean["git_dirty"] is False
+    (checkout / "bnexp" / "commands.py").write_text((checkout / "bnexp" / "commands.py").read_text() + "\n")
+    assert source_from(checkout)["git_dirty"] is True
+    project = tmp_path / "project"  # the user's repository, with bnexp inside it (vendored, a venv)
+    shutil.copytree(ROOT / "bnexp", project / "lib" / "bnexp", ignore=ignore)
+    git(project, "init", "-q")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "x")
+    assert source_from(project / "lib") == {"bnexp_version": bnexp.__version__, "git_commit": None, "git_dirty": None}
+
+
+def test_packaging_metadata() -> None:
+    from importlib.metadata import metadata
+
+    meta = metadata("bnexp")  # the installed distribution's, built from pyproject.toml
+    assert (ROOT / "LICENSE").is_file() and (ROOT / "bnexp" / "py.typed").is_file()
+    assert {"plot", "slurm", "tensorboard", "optuna", "dev"} <= set(meta.get_all("Provides-Extra"))
+    assert not any(r.startswith("omegaconf") for r in meta.get_all("Requires-Dist"))  # hydra-core brings it
+    assert "Typing :: Typed" in meta.get_all("Classifier") and meta.get_all("Project-URL")
+    assert meta["License-Expression"] == "MIT"
+
+
+def test_main_without_arguments_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    main([])
+    assert "usage: bnexp <command>" in capsys.readouterr().out
