@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import pickle
 import random
 import re
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bnexp.errors import ConfigError
 from bnexp.runinfo import atomic_write
 
 log = logging.getLogger("bnexp.checkpoint")
@@ -56,8 +58,12 @@ def save(payload: dict[str, Any], path: Path) -> None:
 
 
 def capture_rng() -> dict[str, Any]:
-    """The state of every random generator a training step may draw from."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """The state of every random generator a training step may draw from, in types that
+    ``torch.load(weights_only=True)`` accepts (numpy's key array as a tensor)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():  # the current device's only: another machine may show fewer GPUs
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -65,7 +71,11 @@ def capture_rng() -> dict[str, Any]:
 
 def restore_rng(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    saved = state["numpy"]
+    if isinstance(saved, dict):
+        saved = (saved["name"], saved["keys"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"],
+                 saved["cached_gaussian"])
+    np.random.set_state(saved)  # a tuple in checkpoints written before 2026-11-23
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         cuda = state["cuda"]
@@ -120,13 +130,35 @@ def load(path: Path, require_checksum: bool = True) -> dict[str, Any]:
     """Read a checkpoint; ValueError if it is damaged, unreadable or lacks a required entry."""
     data = verified_bytes(path, require_checksum)
     try:
-        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # written before 2026-11-23 (numpy's RNG state as an array)
+        log.warning("%s was written by an older bnexp: loading it with weights_only=False", path)
+        payload = _load_any(path, data)
     except Exception as err:
         raise ValueError(f"unreadable checkpoint {path}: {type(err).__name__}: {err}") from err
     missing = [k for k in REQUIRED_KEYS if not isinstance(payload, dict) or k not in payload]
     if missing:
         raise ValueError(f"incomplete checkpoint {path}: missing {', '.join(missing)}")
     return payload
+
+
+def _load_any(path: Path, data: bytes) -> Any:
+    """A checkpoint of an older bnexp, unpickled in full (its bytes matched its checksum)."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise ValueError(f"unreadable checkpoint {path}: {type(err).__name__}: {err}") from err
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The model weights of a checkpoint file or of a run directory's final checkpoint."""
+    file = path / FINAL if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"{path}: no checkpoint there (a checkpoint file, or a run directory holding {FINAL})")
+    try:
+        return load(file, require_checksum=False)["model"]
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
 def newest_valid(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:

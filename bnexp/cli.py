@@ -29,6 +29,7 @@ commands:
   table      a preset's results in the paper's layout: bnexp table cbn/table1 [results=DIR] [format=latex],
              or any sweep folder: bnexp table DIR [rows=KEY] [cols=KEY] [metric=top1|best_top1|top5]
   plot       loss / accuracy curves: bnexp plot cbn/table1 [results=DIR] [out=DIR], or bnexp plot DIR [out=DIR]
+  eval       a finished run's final weights on a data set: bnexp eval RUN_DIR [data=NAME] [split=test|train]
   bench      speed: bnexp bench norms|step|data|run|pack [reps=5] [out=FILE.json] (docs/benchmarks.md)
   lrsearch   largest stable lr per method (CBN Table 6): bnexp lrsearch [methods=[none,cbn]] [acts=[relu]] [lrs=[...]] [out=DIR]
   hessian    Hessian condition numbers in training (BNP Fig. 8): bnexp hessian [norms=[none,bnp]] [out=DIR]
@@ -51,6 +52,7 @@ def _study_command(name: str) -> Callable[[list[str]], None]:
 COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "train": train_command,
     **{name: _report_command(name) for name in ("reproduce", "table", "plot")},
+    "eval": _report_command("evaluate"),
     "bench": lambda args: importlib.import_module("bnexp.bench").command(args),
     **{name: _study_command(name) for name in ("lrsearch", "hessian", "claims")},
 }
@@ -58,6 +60,7 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
 
 # The module whose docstring is each command's --help, and the optional extras it needs.
 MODULES = {"reproduce": "bnexp.report.reproduce", "table": "bnexp.report.table", "plot": "bnexp.report.plot",
+           "eval": "bnexp.report.evaluate",
            "bench": "bnexp.bench", "lrsearch": "bnexp.studies.lrsearch", "hessian": "bnexp.studies.hessian",
            "claims": "bnexp.studies.claims"}
 EXTRAS = {"plot": ("matplotlib", "plot"), "hessian": ("matplotlib", "plot")}

@@ -125,6 +125,14 @@ def _resume(cfg: DictConfig) -> None:
                           "the run directory), never (start over), or the path of a checkpoint file")
 
 
+def _init_from(cfg: DictConfig) -> None:
+    """``trainer.init_from``: null, or a checkpoint file or run directory that exists."""
+    source = cfg.trainer.get("init_from")
+    if source is not None and not Path(str(source)).exists():
+        raise ConfigError(f"trainer.init_from={source!r} is not valid: use a checkpoint file or a run directory "
+                          "holding checkpoint.pt (or null)")
+
+
 def meaningless(cfg: DictConfig, given: Iterable[str]) -> None:
     """A ``norm.*`` setting on the command line that the chosen norm ignores is an error,
     not a silently dropped value."""
@@ -160,6 +168,7 @@ def validate(cfg: DictConfig) -> None:
     _milestones(cfg)
     _optional(cfg, "schedule.gamma", lambda v: v > 0, "a number > 0")
     _resume(cfg)
+    _init_from(cfg)
     for key in ("optim.lr_w", "optim.lr_g"):
         _optional(cfg, key, lambda v: v > 0, "a number > 0, null meaning optim.lr")
     _number(cfg, "optim.momentum", lambda v: 0 <= v < 1, "in [0, 1)")

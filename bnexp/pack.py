@@ -100,6 +100,7 @@ def unpackable(cfg: DictConfig) -> list[str]:
         "trainer.resume=<file>": str(cfg.trainer.resume) not in ("auto", "never"),
         "model.dropout": bool(cfg.model.get("dropout")),
         "model.stochastic_depth": bool(cfg.model.get("stochastic_depth")),
+        "trainer.init_from": bool(cfg.trainer.get("init_from")),
     }
     return [key for key, on in unsupported.items() if on]
 

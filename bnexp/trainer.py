@@ -335,6 +335,18 @@ class CheckpointClock:
         self.last = self.now()
 
 
+def init_weights(model: nn.Module, source: Path) -> None:
+    """``trainer.init_from``: the weights of a checkpoint (file or run directory) into ``model``,
+    every key and shape matching; a ConfigError naming the differences otherwise."""
+    weights = checkpoint.load_weights(source)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as err:
+        first = str(err).splitlines()[1:3]
+        raise ConfigError(f"trainer.init_from={source}: its weights do not fit this model (same model, norm, "
+                          f"placement and classes needed): {' '.join(s.strip() for s in first)}") from err
+
+
 def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks: list[Callback]) -> None:
     """Train one run, writing metrics.csv and checkpoints; fill ``summary`` as it goes."""
     seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
@@ -360,6 +372,9 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
                           f"last batch of each epoch holds one image ({loaders.sampler.size} images, batches of "
                           f"{batch_size}): set data.drop_last=true (or null) or another trainer.batch_size")
     model = build_model(cfg.model, cfg.norm, cfg.act.name, bundle.spec).to(device)
+    if cfg.trainer.get("init_from"):
+        init_weights(model, Path(cfg.trainer.init_from))
+        summary["init_from"] = str(cfg.trainer.init_from)
     if d.enabled:  # same initial weights everywhere, then each process its own random stream
         seed_everything(cfg.trainer.seed + d.rank, cfg.trainer.deterministic)
     net = Accelerated.from_config(model, device, cfg.trainer, distributed=d.enabled)

@@ -133,3 +133,69 @@ def test_packaging_metadata() -> None:
 def test_main_without_arguments_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
     main([])
     assert "usage: bnexp <command>" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("norm", ["cbn", "bnp", "brn"])
+def test_checkpoints_load_with_weights_only(norm: str, tmp_path: Path, capsys) -> None:
+    """torch.load's default since 2.6: plain tensors and containers only (RNG states included)."""
+    import torch
+
+    extra = ["optim.lr=0.1"] if norm == "bnp" else []
+    args = ["train", *TINY, f"norm={norm}", "schedule.warmup=1", "schedule.unit=step", *extra,
+            f"hydra.run.dir={tmp_path}"]
+    assert run_cli(args, capsys)[0] == 0
+    payload = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert payload["step"] == 4 and isinstance(payload["rng"][0]["numpy"]["keys"], torch.Tensor)
+
+
+def test_rng_states_of_older_checkpoints_still_restore() -> None:
+    import numpy as np
+
+    from bnexp.checkpoint import capture_rng, restore_rng
+
+    np.random.seed(3)
+    old = capture_rng()
+    old["numpy"] = np.random.get_state()  # the tuple checkpoints held before 2026-11-23
+    expected = np.random.rand(3)
+    restore_rng(old)
+    assert np.array_equal(np.random.rand(3), expected)
+
+
+def test_init_from_takes_weights_only(tmp_path: Path, capsys) -> None:
+    import torch
+
+    assert run_cli(["train", *TINY, f"hydra.run.dir={tmp_path / 'source'}"], capsys)[0] == 0
+    source = torch.load(tmp_path / "source" / "checkpoint.pt", weights_only=True)["model"]
+    args = ["train", *TINY, "trainer.max_steps=1", "optim.lr=1e-9", "optim.weight_decay=0", "optim.momentum=0",
+            f"trainer.init_from={tmp_path / 'source'}", f"hydra.run.dir={tmp_path / 'tuned'}"]
+    assert run_cli(args, capsys)[0] == 0
+    tuned = torch.load(tmp_path / "tuned" / "checkpoint.pt", weights_only=True)
+    assert tuned["step"] == 1  # a new run: its own step, optimizer and schedule
+    weights = [k for k in source if k.endswith("op.weight")]
+    assert weights and all(torch.allclose(tuned["model"][k], source[k], atol=1e-6) for k in weights)
+    code, out = run_cli(["train", *TINY, "model.width=8", f"trainer.init_from={tmp_path / 'source'}",
+                         f"hydra.run.dir={tmp_path / 'wide'}"], capsys)
+    assert code != 0 and "its weights do not fit this model" in out
+    code, out = run_cli(["train", *TINY, f"trainer.init_from={tmp_path / 'nothing'}"], capsys)
+    assert code == 2 and "trainer.init_from=" in out
+
+
+def test_eval_of_a_finished_run(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    assert run_cli(["train", *TINY, f"hydra.run.dir={run}"], capsys)[0] == 0
+    final = json.loads((run / "summary.json").read_text())
+    code, out = run_cli(["eval", str(run)], capsys)
+    assert code == 0, out
+    entries = json.loads((run / "eval.json").read_text())
+    own = entries["synthetic/test"]
+    assert own["test_acc"] == final["final_top1"] and abs(own["test_loss"] - final["final_test_loss"]) < 1e-5
+    assert own["images"] == 32 and own["step"] == 4
+    code, out = run_cli(["eval", str(run), "data=digits", "data.image_size=8", "split=train"], capsys)
+    assert code == 0, out
+    other = json.loads((run / "eval.json").read_text())
+    assert set(other) == {"synthetic/test", "digits(data.image_size=8)/train"} and other[
+        "digits(data.image_size=8)/train"]["images"] == 1437
+    code, out = run_cli(["eval", str(run), "split=val"], capsys)
+    assert code == 2 and "split" in out and "test" in out
+    code, out = run_cli(["eval", str(tmp_path)], capsys)
+    assert code == 2 and "not a finished run" in out

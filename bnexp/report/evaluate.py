@@ -1,0 +1,105 @@
+"""``bnexp eval RUN [data=NAME] [data.KEY=VALUE ...] [split=test|train]``: a finished run's
+final weights evaluated on a data set, written to ``eval.json`` beside its summary.
+
+The run's model is rebuilt from its ``config.yaml`` and loads its ``checkpoint.pt``
+(weights only). Without ``data=`` it is evaluated on its own data set; ``data=NAME`` (and
+``data.*`` overrides) composes another one, which must have the run's number of classes
+and image shape. ``split=train`` evaluates the training images without augmentation.
+``eval.json`` holds one entry per ``<data>/<split>`` (``<data>(<data.* overrides>)/<split>``
+when some are given): loss, top-1 (and top-5 with more
+than 5 classes), the images counted, the checkpoint's step, and versions; options
+``device`` (auto | cpu | cuda) and ``batch`` (the evaluation batch, default the data
+config's ``eval_batch_size``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+from torch.utils.data import DataLoader
+
+from bnexp import checkpoint
+from bnexp.bench.common import compose_train
+from bnexp.commands import exit_on_error, split_options
+from bnexp.data import build_data
+from bnexp.errors import ConfigError, unknown_choice
+from bnexp.models import build_model
+from bnexp.runinfo import resolve_device, version_stamp, write_json
+from bnexp.trainer import evaluate
+
+SPLITS = ("test", "train")
+OPTIONS = {"split": "test", "device": "auto", "batch": "0"}
+EVAL_FILE = "eval.json"
+
+
+def data_config(run_cfg: DictConfig, overrides: list[str], split: str) -> DictConfig:
+    """The run's data config, or the one ``data=...`` / ``data.*=...`` overrides compose;
+    without augmentation for ``split=train``."""
+    bad = [o for o in overrides if not o.startswith(("data=", "data."))]
+    if bad:
+        raise ConfigError(f"bnexp eval: {bad[0]!r} is not valid here: give data=NAME, data.KEY=VALUE, "
+                          f"or the options {', '.join(OPTIONS)}")
+    if any(o.startswith("data=") for o in overrides):
+        cfg = compose_train(overrides).data
+    else:
+        cfg = run_cfg.data.copy()
+        for o in overrides:
+            key, _, value = o.partition("=")
+            OmegaConf.update(cfg, key.removeprefix("data."), OmegaConf.create({"v": value}).v, merge=False)
+    if split == "train" and "augment" in cfg:
+        with open_dict(cfg):
+            cfg.augment = False
+    return cfg
+
+
+def evaluate_run(run_dir: Path, overrides: list[str], split: str = "test", device: str = "auto",
+                 batch: int = 0) -> dict[str, Any]:
+    """Evaluate ``run_dir``'s final weights; the entry written to its eval.json."""
+    if split not in SPLITS:
+        raise unknown_choice("split", split, SPLITS)
+    if not (run_dir / "config.yaml").is_file() or not (run_dir / checkpoint.FINAL).is_file():
+        raise ConfigError(f"bnexp eval: {run_dir} is not a finished run (it needs config.yaml and "
+                          f"{checkpoint.FINAL}; unfinished runs have only periodic checkpoints)")
+    run_cfg = OmegaConf.load(run_dir / "config.yaml")
+    data_cfg = data_config(run_cfg, overrides, split)
+    bundle = build_data(data_cfg)
+    model = build_model(run_cfg.model, run_cfg.norm, run_cfg.act.name, bundle.spec)
+    payload = checkpoint.load(run_dir / checkpoint.FINAL, require_checksum=False)
+    try:
+        model.load_state_dict(payload["model"])
+    except RuntimeError as err:
+        raise ConfigError(f"bnexp eval: data.name={data_cfg.name} does not fit the run's model ({bundle.spec}): "
+                          f"{str(err).splitlines()[1].strip()}") from err
+    target = resolve_device(device)
+    images = bundle.test if split == "test" else bundle.train
+    loader = DataLoader(images, batch_size=batch or int(data_cfg.get("eval_batch_size", 500)))
+    result = evaluate(model.to(target), loader, target, bundle.spec.num_classes)[0]
+    entry = {**result, "images": len(images), "data": data_cfg.name, "split": split, "step": payload["step"],
+             "checkpoint": str(run_dir / checkpoint.FINAL), "device": str(target),
+             "evaluated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             **version_stamp()}
+    path = run_dir / EVAL_FILE
+    entries = json.loads(path.read_text()) if path.is_file() else {}
+    changed = [o for o in overrides if o.startswith("data.")]
+    entries[f"{data_cfg.name}{'(' + ','.join(changed) + ')' if changed else ''}/{split}"] = entry
+    write_json(path, entries)
+    return entry
+
+
+def command(args: list[str]) -> None:
+    """``bnexp eval RUN [data=...] [split=test] [device=auto] [batch=N]``."""
+    def body() -> None:
+        if not args or "=" in args[0]:
+            raise ConfigError("usage: bnexp eval RUN_DIR [data=NAME] [data.KEY=VALUE ...] [split=test|train]")
+        options, overrides = split_options(args[1:], OPTIONS)
+        opts = {**OPTIONS, **options}
+        entry = evaluate_run(Path(args[0]), overrides, opts["split"], opts["device"], int(opts["batch"]))
+        top5 = f", top-5 {entry['test_top5']:.2f}%" if "test_top5" in entry else ""
+        print(f"{args[0]}: {entry['data']}/{entry['split']}, {entry['images']} images: loss {entry['test_loss']:.4f}, "
+              f"top-1 {entry['test_acc']:.2f}%{top5} (written to {Path(args[0]) / EVAL_FILE})")
+
+    exit_on_error(body)
