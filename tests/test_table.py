@@ -66,7 +66,7 @@ def test_latex_and_csv(tmp_path: Path) -> None:
     write_runs(tmp_path)
     table = build(LAYOUT, load_summaries(tmp_path))
     latex = render(table, "latex", "Test table")
-    assert latex.startswith("\\begin{table}") and "\\toprule" in latex and "88.50 ± 0.71 (2) rho=2" in latex
+    assert latex.startswith("\\begin{table}") and "\\toprule" in latex and r"88.50 $\pm$ 0.71 (2) rho=2" in latex
     csv = render(table, "csv", "Test table").splitlines()
     assert csv[0].startswith("Method,AMAT,Sigmoid,Sigmoid paper") and len(csv) == 4
 

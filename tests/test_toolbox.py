@@ -199,3 +199,47 @@ def test_eval_of_a_finished_run(tmp_path: Path, capsys) -> None:
     assert code == 2 and "split" in out and "test" in out
     code, out = run_cli(["eval", str(tmp_path)], capsys)
     assert code == 2 and "not a finished run" in out
+
+
+PRESET_LIKE = {"Method": ["BN", "Improv.", "CBN_x"], "Sigmoid": ["91.20 ± 0.31 (10)", "", "– (0; 2 diverged)"],
+               "Sigmoid paper": ["90.1", "+0.5%", "n/a"], "Sigmoid Δ": ["+1.10", "", ""],
+               "ReLU": ["92.0 (1)", "", "n/a"], "ReLU paper": ["91.9", "", ""], "ReLU Δ": ["+0.10", "", ""]}
+
+
+def test_latex_export_is_booktabs_with_grouped_columns_and_ascii_only() -> None:
+    """What pdflatex needs (no TeX on CI machines to compile it: the structure is checked)."""
+    import pandas as pd
+
+    from bnexp.report.table import LEGEND, latex
+
+    text = latex(pd.DataFrame(PRESET_LIKE), f"CBN Table 1 (results/cbn_table1). {LEGEND}.")
+    assert text.isascii() and text.count("{") == text.count("}")
+    lines = text.splitlines()
+    assert lines[0] == r"\begin{table}" and r"\begin{tabular}{lcccccc}" in lines
+    assert [r"\toprule", r"\midrule", r"\bottomrule"] == [ln for ln in lines if ln in (r"\toprule", r"\midrule",
+                                                                                       r"\bottomrule")]
+    header = lines[lines.index(r"\toprule") + 1: lines.index(r"\midrule")]
+    assert header[0] == r" & \multicolumn{3}{c}{Sigmoid} & \multicolumn{3}{c}{ReLU} \\"
+    assert header[1] == r"Method & ours & paper & $\Delta$ & ours & paper & $\Delta$ \\"
+    body = lines[lines.index(r"\midrule") + 1: lines.index(r"\bottomrule")]
+    assert all(row.count(" & ") == 6 and row.endswith(r"\\") for row in body)
+    assert r"91.20 $\pm$ 0.31 (10)" in text and r"+0.5\%" in text and r"CBN\_x" in text and "-- (0; 2 diverged)" in text
+    assert r"cbn\_table1" in text and r"$\Delta$: ours minus paper" in text
+
+
+def test_html_page_is_self_contained(tmp_path: Path, capsys) -> None:
+    import pandas as pd
+
+    from bnexp.report.table import LEGEND, html_page
+
+    page = html_page(pd.DataFrame(PRESET_LIKE), "CBN <Table 1>", b"\x89PNG fake", LEGEND)
+    assert page.startswith("<!DOCTYPE html>") and "CBN &lt;Table 1&gt;" in page
+    assert 'src="data:image/png;base64,iVBORyBmYWtl"' in page and "http" not in page
+    assert 'colspan="3"' in page and "91.20 ± 0.31 (10)" in page
+    root = tmp_path / "sweep"
+    code, out = run_cli(["train", "-m", *TINY, "trainer.seed=0,1", f"hydra.sweep.dir={root}"], capsys)
+    assert code == 0, out
+    code, out = run_cli(["table", str(root), "format=html", f"out={tmp_path / 'page.html'}"], capsys)
+    assert code == 0 and out.strip() == str(tmp_path / "page.html")
+    written = (tmp_path / "page.html").read_text()
+    assert "data:image/png;base64," in written and "(2)" in written

@@ -10,13 +10,16 @@ others in its folder are reported as not in the table.
 
 from __future__ import annotations
 
+import base64
+import html
+import io
 import itertools
 import math
 import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
 
@@ -29,7 +32,12 @@ from bnexp.report.presets import SEED, Preset, load_preset, parse_command, sweep
 from bnexp.report.results import load_summaries, seconds_per_epoch
 from bnexp.report.stability import largest_stable
 
-FORMATS = ("markdown", "latex", "csv")
+FORMATS = ("markdown", "latex", "csv", "html")
+# Characters of bnexp's tables that pdflatex does not take as they are, and what it takes.
+LATEX_TEXT = {"±": r"$\pm$", "Δ": r"$\Delta$", "–": "--", "×": r"$\times$", "ρ": r"$\rho$", "η": r"$\eta$",
+              "κ": r"$\kappa$", "τ": r"$\tau$", "≤": r"$\leq$", "≥": r"$\geq$"}
+LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+                 "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
 LEGEND = ("cell: mean ± std (completed runs; diverged, failed and missing runs); "
           "paper: the published value; Δ: ours minus paper")
 
@@ -201,16 +209,96 @@ def column_name(layout: Layout, col: Mapping[str, Any], metric: str) -> str:
     return f"{name} {METRIC_LABELS[metric]}".strip() if len(layout.metrics) > 1 else name
 
 
-def render(table: pd.DataFrame, fmt: str, title: str) -> str:
-    """Markdown (pandas + tabulate), LaTeX (pandas Styler) or CSV text."""
+def render(table: pd.DataFrame, fmt: str, title: str, figure: bytes | None = None, legend: str = LEGEND) -> str:
+    """Markdown (pandas + tabulate), LaTeX (pandas Styler, booktabs), CSV, or a
+    self-contained HTML page (with ``figure``, a PNG, embedded)."""
     if fmt == "markdown":
-        return f"{title}\n\n{table.to_markdown(index=False, disable_numparse=True)}\n\n{LEGEND}\n"
+        return f"{title}\n\n{table.to_markdown(index=False, disable_numparse=True)}\n\n{legend}\n"
     if fmt == "latex":
-        styler = table.style.hide(axis="index").format(escape="latex").format_index(escape="latex", axis=1)
-        return styler.to_latex(caption=f"{title}. {LEGEND}.".replace("%", r"\%"), hrules=True)
+        return latex(table, f"{title}. {legend}.")
     if fmt == "csv":
         return table.to_csv(index=False)
+    if fmt == "html":
+        return html_page(table, title, figure, legend)
     raise unknown_choice("format", fmt, FORMATS)
+
+
+def grouped(table: pd.DataFrame) -> pd.DataFrame:
+    """The table with two header rows, as the papers print it: each measured column with its
+    ``paper`` and ``Δ`` columns under one heading (``ours``, ``paper``, ``Δ``); the label
+    columns' names on the lower row."""
+    names = list(table.columns)
+    measured = {n.removesuffix(" paper") for n in names if n.endswith(" paper")}
+    if not measured:  # a sweep's table: one header row
+        return table
+    header = []
+    for n in names:
+        if n in measured:
+            header.append((n, "ours"))
+        elif n.endswith(" paper") and n.removesuffix(" paper") in measured:
+            header.append((n.removesuffix(" paper"), "paper"))
+        elif n.endswith(" Δ") and n.removesuffix(" Δ") in measured:
+            header.append((n.removesuffix(" Δ"), "Δ"))
+        else:
+            header.append(("", n))
+    out = table.copy()
+    out.columns = pd.MultiIndex.from_tuples(header)
+    return out
+
+
+def latex_text(text: str) -> str:
+    """``text`` escaped for LaTeX, its non-ASCII symbols written as pdflatex takes them."""
+    escaped = "".join(LATEX_SPECIAL.get(c, c) for c in str(text))
+    return "".join(LATEX_TEXT.get(c, c) for c in escaped)
+
+
+def latex(table: pd.DataFrame, caption: str) -> str:
+    """A booktabs ``table`` environment (``\\usepackage{booktabs}``) that pdflatex compiles:
+    grouped headers (:func:`grouped`), label columns left-aligned, the rest centred."""
+    frame = grouped(table)
+    if isinstance(frame.columns, pd.MultiIndex):
+        labels = sum(1 for top, _ in frame.columns if top == "")
+        frame.columns = pd.MultiIndex.from_tuples([(latex_text(a), latex_text(b)) for a, b in frame.columns])
+    else:
+        labels = 1
+        frame.columns = [latex_text(c) for c in frame.columns]
+    frame = frame.map(latex_text)
+    styler = frame.style.hide(axis="index")
+    return styler.to_latex(caption=latex_text(caption), hrules=True, multicol_align="c", position_float="centering",
+                           column_format="l" * labels + "c" * (len(frame.columns) - labels))
+
+
+def html_page(table: pd.DataFrame, title: str, figure: bytes | None, legend: str) -> str:
+    """One HTML file holding the table (grouped headers), its legend and ``figure``."""
+    body = grouped(table).style.hide(axis="index").to_html()
+    image = "" if figure is None else f'<p><img alt="training curves" src="data:image/png;base64,' \
+        f'{base64.b64encode(figure).decode()}"></p>'
+    style = ("body{font-family:sans-serif;margin:2em} table{border-collapse:collapse} "
+             "th,td{border-bottom:1px solid #ccc;padding:.25em .6em;text-align:center} img{max-width:100%}")
+    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head>\n<body><h1>{html.escape(title)}</h1>\n{body}\n"
+            f"<p>{html.escape(legend)}</p>\n{image}\n</body></html>\n")
+
+
+def plotting() -> Any:
+    """:mod:`bnexp.report.plot`, or a ConfigError naming the extra that brings matplotlib."""
+    try:
+        from bnexp.report import plot
+    except ImportError as err:
+        raise ConfigError(f"format=html embeds the training curves, which need matplotlib ({err}): "
+                          "pip install 'bnexp[plot]'") from err
+    return plot
+
+
+def figure_png(draw: Callable[[], Any]) -> bytes:
+    """The PNG of the figure ``draw`` makes (``bnexp plot``'s, for an HTML page)."""
+    import matplotlib.pyplot as plt
+
+    fig = draw()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    return buffer.getvalue()
 
 
 def preset_runs(p: Preset, frame: pd.DataFrame, results: Path) -> pd.DataFrame:
@@ -245,13 +333,18 @@ def why_not(p: Preset, others: pd.DataFrame, sample: int = 5) -> str:
 
 
 def table_text(p: Preset, results: Path, fmt: str = "markdown") -> str:
-    """The rendered table of preset ``p`` from the summaries under ``results``."""
-    table = build(p.layout, preset_runs(p, load_summaries(results), results), int(p.cfg.trainer.seed))
-    return render(table, fmt, f"{p.layout.title} ({results})")
+    """The rendered table of preset ``p`` from the summaries under ``results`` (for HTML,
+    with the curves of ``bnexp plot`` embedded)."""
+    runs = preset_runs(p, load_summaries(results), results)
+    table = build(p.layout, runs, int(p.cfg.trainer.seed))
+    figure = None
+    if fmt == "html":
+        figure = figure_png(lambda: plotting().draw(p.layout, runs, ("train_loss", "test_acc"), ()))
+    return render(table, fmt, f"{p.layout.title} ({results})", figure)
 
 
 # ---- any sweep's folder ----------------------------------------------------------------
-SWEEP_OPTIONS = {"rows": "", "cols": "", "metric": "top1", "format": "markdown"}
+SWEEP_OPTIONS = {"rows": "", "cols": "", "metric": "top1", "format": "markdown", "out": ""}
 REPLICATES = ("trainer.seed",)  # overrides whose runs a cell pools
 
 
@@ -317,7 +410,10 @@ def sweep_text(folder: Path, options: Mapping[str, str]) -> str:
         raise ConfigError(f"metric={options['metric']!r}: no run recorded it; valid: {', '.join(METRICS)}, "
                           f"{', '.join(numeric)}")
     table = sweep_table(frame, rows, cols, metric, METRIC_LABELS.get(options["metric"], options["metric"]))
-    return render(table, options["format"], f"{folder}: {options['metric']}").replace(LEGEND, SWEEP_LEGEND)
+    figure = None
+    if options["format"] == "html":
+        figure = figure_png(lambda: plotting().draw_sweep(frame, ("train_loss", "test_acc"), str(folder)))
+    return render(table, options["format"], f"{folder}: {options['metric']}", figure, SWEEP_LEGEND)
 
 
 SWEEP_LEGEND = "cell: mean ± std (completed runs; diverged and failed runs)"
@@ -325,17 +421,27 @@ SWEEP_LEGEND = "cell: mean ± std (completed runs; diverged and failed runs)"
 
 def command(args: list[str]) -> None:
     """``bnexp table <paper>/<name> [results=DIR] [format=...] [scale=quick]`` or
-    ``bnexp table DIR [rows=KEY,...] [cols=KEY,...] [metric=top1] [format=...]``."""
+    ``bnexp table DIR [rows=KEY,...] [cols=KEY,...] [metric=top1] [format=...]``; ``format=html``
+    writes a page (``out=FILE``, default ``<results>/table.html``) and prints its path."""
     exit_on_error(lambda: print(text_for(args), end=""))
 
 
 def text_for(args: list[str]) -> str:
-    """The table the command line asks for."""
+    """The table the command line asks for (an HTML page: the path it was written to)."""
     folder = sweep_folder(args, SWEEP_OPTIONS)
     if folder:
-        return sweep_text(*folder)
-    usage = ("bnexp table <paper>/<name> [results=DIR] [format=markdown|latex|csv] [scale=full|quick], or "
-             "bnexp table DIR [rows=KEY,...] [cols=KEY,...] [metric=top1]")
-    name, options, overrides = parse_command(args, usage, {"results": "", "format": "markdown", "scale": "full"})
-    p = load_preset(name, options["scale"], overrides)
-    return table_text(p, Path(options["results"] or p.results_dir), options["format"])
+        text, results, options = sweep_text(*folder), folder[0], folder[1]
+    else:
+        usage = ("bnexp table <paper>/<name> [results=DIR] [format=markdown|latex|csv|html] [out=FILE] "
+                 "[scale=full|quick], or bnexp table DIR [rows=KEY,...] [cols=KEY,...] [metric=top1] [format=...]")
+        defaults = {"results": "", "format": "markdown", "scale": "full", "out": ""}
+        name, options, overrides = parse_command(args, usage, defaults)
+        p = load_preset(name, options["scale"], overrides)
+        results = Path(options["results"] or p.results_dir)
+        text = table_text(p, results, options["format"])
+    if options["format"] != "html":
+        return text
+    page = Path(options["out"] or results / "table.html")
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(text, encoding="utf-8")
+    return f"{page}\n"
