@@ -30,6 +30,7 @@ commands:
              or any sweep folder: bnexp table DIR [rows=KEY] [cols=KEY] [metric=top1|best_top1|top5]
   plot       loss / accuracy curves: bnexp plot cbn/table1 [results=DIR] [out=DIR], or bnexp plot DIR [out=DIR]
   eval       a finished run's final weights on a data set: bnexp eval RUN_DIR [data=NAME] [split=test|train]
+  export     a finished run's weights for other tools: bnexp export RUN_DIR [format=torchvision|safetensors]
   bench      speed: bnexp bench norms|step|data|run|pack [reps=5] [out=FILE.json] (docs/benchmarks.md)
   lrsearch   largest stable lr per method (CBN Table 6): bnexp lrsearch [methods=[none,cbn]] [acts=[relu]] [lrs=[...]] [out=DIR]
   hessian    Hessian condition numbers in training (BNP Fig. 8): bnexp hessian [norms=[none,bnp]] [out=DIR]
@@ -53,6 +54,7 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "train": train_command,
     **{name: _report_command(name) for name in ("reproduce", "table", "plot")},
     "eval": _report_command("evaluate"),
+    "export": _report_command("export"),
     "bench": lambda args: importlib.import_module("bnexp.bench").command(args),
     **{name: _study_command(name) for name in ("lrsearch", "hessian", "claims")},
 }
@@ -60,7 +62,7 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
 
 # The module whose docstring is each command's --help, and the optional extras it needs.
 MODULES = {"reproduce": "bnexp.report.reproduce", "table": "bnexp.report.table", "plot": "bnexp.report.plot",
-           "eval": "bnexp.report.evaluate",
+           "eval": "bnexp.report.evaluate", "export": "bnexp.report.export",
            "bench": "bnexp.bench", "lrsearch": "bnexp.studies.lrsearch", "hessian": "bnexp.studies.hessian",
            "claims": "bnexp.studies.claims"}
 EXTRAS = {"plot": ("matplotlib", "plot"), "hessian": ("matplotlib", "plot")}

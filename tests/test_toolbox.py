@@ -243,3 +243,47 @@ def test_html_page_is_self_contained(tmp_path: Path, capsys) -> None:
     assert code == 0 and out.strip() == str(tmp_path / "page.html")
     written = (tmp_path / "page.html").read_text()
     assert "data:image/png;base64," in written and "(2)" in written
+
+
+@pytest.mark.parametrize("model,act,size", [("resnet18", "relu", 8), ("efficientnet_b0", "swish", 32)])
+def test_export_to_torchvision_gives_the_same_logits(model: str, act: str, size: int, tmp_path: Path, capsys) -> None:
+    import torch
+    import torchvision
+
+    from bnexp.models import DataSpec, build_model
+
+    run = tmp_path / "run"
+    args = ["train", *TINY, f"model={model}", f"act={act}", "norm=bn", f"data.image_size={size}", "trainer.max_steps=2",
+            "trainer.batch_size=4", "optim.lr=0.001", f"hydra.run.dir={run}"]
+    assert run_cli([a for a in args if a != "model.width=4"], capsys)[0] == 0
+    code, out = run_cli(["export", str(run)], capsys)
+    assert code == 0 and out.strip() == str(run / f"torchvision_{model}.pt")
+    theirs = getattr(torchvision.models, model)(num_classes=10)
+    theirs.load_state_dict(torch.load(out.strip(), weights_only=True), strict=True)
+    cfg = compose_cfg([a for a in args[1:] if not a.startswith("hydra.") and a != "model.width=4"])
+    ours = build_model(cfg.model, cfg.norm, cfg.act.name, DataSpec(10, 3, size))
+    ours.load_state_dict(torch.load(run / "checkpoint.pt", weights_only=True)["model"])
+    x = torch.randn(3, 3, size, size)
+    logits = ours.eval()(x)
+    assert torch.isfinite(logits).all() and (theirs.eval()(x) - logits).abs().max() < 1e-5
+
+
+def test_export_to_safetensors_rebuilds_any_run(tmp_path: Path, capsys) -> None:
+    import torch
+
+    from bnexp.models import DataSpec, build_model
+    from bnexp.report.export import rebuild
+
+    run = tmp_path / "run"
+    assert run_cli(["train", *TINY, "norm=cbn", f"hydra.run.dir={run}"], capsys)[0] == 0
+    code, out = run_cli(["export", str(run)], capsys)
+    assert code == 2 and "format=torchvision needs a torchvision architecture" in out and "norm=cbn" in out
+    code, out = run_cli(["export", str(run), "format=safetensors"], capsys)
+    assert code == 0 and Path(out.strip()) == run / "model.safetensors"
+    rebuilt = rebuild(run / "model.safetensors")
+    cfg = compose_cfg([*TINY, "norm=cbn"])
+    ours = build_model(cfg.model, cfg.norm, cfg.act.name, DataSpec(10, 3, 8))
+    ours.load_state_dict(torch.load(run / "checkpoint.pt", weights_only=True)["model"])
+    x = torch.randn(4, 3, 8, 8)
+    assert torch.equal(rebuilt(x), ours.eval()(x))
+    assert run_cli(["export", str(run), "format=onnx"], capsys)[0] == 2

@@ -1,0 +1,112 @@
+"""``bnexp export RUN [format=torchvision|safetensors] [out=FILE]``: a finished run's final
+weights in a form other tools load.
+
+- ``torchvision``: for ResNet-18/50 and EfficientNet-B0 trained with ``norm=bn`` after each
+  op (and torchvision's activation: ReLU, SiLU for EfficientNet), a ``state_dict`` that
+  ``torchvision.models.<model>(num_classes=K)`` loads with ``strict=True`` and that gives
+  the same logits. bnexp's modules hold the same tensors in the same order as
+  torchvision's, so the mapping is positional, checked shape by shape. Default file:
+  ``<run>/torchvision_<model>.pt``.
+- ``safetensors`` (any run): the weights as a safetensors file plus a JSON sidecar
+  (``<file>.json``) with what :func:`rebuild` needs to build the model again (model, norm
+  and activation settings, classes, channels, image size). Default: ``<run>/model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torchvision
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from bnexp import checkpoint
+from bnexp.commands import exit_on_error, split_options
+from bnexp.errors import ConfigError, unknown_choice
+from bnexp.models import DataSpec, build_model
+from bnexp.runinfo import version_stamp
+
+FORMATS = ("torchvision", "safetensors")
+TORCHVISION_ACT = {"resnet18": "relu", "resnet50": "relu", "efficientnet_b0": "swish"}  # torchvision's activation
+
+
+def run_parts(run_dir: Path) -> tuple[DictConfig, dict[str, torch.Tensor], DataSpec]:
+    """A finished run's config, final weights and data shape (classes from its summary)."""
+    if not (run_dir / "config.yaml").is_file() or not (run_dir / checkpoint.FINAL).is_file():
+        raise ConfigError(f"bnexp export: {run_dir} is not a finished run (it needs config.yaml and {checkpoint.FINAL})")
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    weights = checkpoint.load_weights(run_dir)
+    classes = summary.get("num_classes") or int(cfg.data.num_classes)
+    spec = DataSpec(int(classes), int(cfg.data.get("channels", 3)), int(cfg.data.get("image_size", 32)))
+    return cfg, weights, spec
+
+
+def torchvision_state(cfg: DictConfig, weights: Mapping[str, torch.Tensor], classes: int) -> dict[str, torch.Tensor]:
+    """``weights`` under torchvision's names for ``cfg``'s model, or a ConfigError saying why not."""
+    model, norm, act = str(cfg.model.name), str(cfg.norm.name), str(cfg.act.name)
+    placement = cfg.norm.get("placement", "after_op")
+    if model not in TORCHVISION_ACT or norm != "bn" or placement != "after_op" or act != TORCHVISION_ACT[model]:
+        wanted = ", ".join(f"model={m} act={a}" for m, a in TORCHVISION_ACT.items())
+        raise ConfigError(f"format=torchvision needs a torchvision architecture trained as torchvision builds it "
+                          f"({wanted}, each with norm=bn after_op); this run is model={model} norm={norm} "
+                          f"({placement}) act={act}: use format=safetensors")
+    theirs = getattr(torchvision.models, model)(num_classes=classes).state_dict()
+    ours = list(weights.items())
+    if len(ours) != len(theirs) or any(v.shape != t.shape for (_, v), t in zip(ours, theirs.values())):
+        raise ConfigError(f"format=torchvision: the run's {len(ours)} tensors do not line up with torchvision's "
+                          f"{model} ({len(theirs)}; model.width other than the default?): use format=safetensors")
+    return {name: value for name, (_, value) in zip(theirs, ours)}
+
+
+def sidecar(cfg: DictConfig, spec: DataSpec) -> dict[str, Any]:
+    """What :func:`rebuild` needs besides the weights."""
+    return {"model": OmegaConf.to_container(cfg.model, resolve=True), "norm": OmegaConf.to_container(cfg.norm,
+            resolve=True), "act": str(cfg.act.name), "data_spec": {"num_classes": spec.num_classes,
+            "in_channels": spec.in_channels, "image_size": spec.image_size}, **version_stamp()}
+
+
+def rebuild(path: Path) -> nn.Module:
+    """The model a ``format=safetensors`` export holds, weights loaded (eval mode)."""
+    from safetensors.torch import load_file
+
+    info = json.loads(Path(f"{path}.json").read_text())
+    model = build_model(info["model"], info["norm"], info["act"], DataSpec(**info["data_spec"]))
+    model.load_state_dict(load_file(str(path)))
+    return model.eval()
+
+
+def export(run_dir: Path, fmt: str = "torchvision", out: str = "") -> Path:
+    """Write a run's final weights in ``fmt``; the file written."""
+    if fmt not in FORMATS:
+        raise unknown_choice("format", fmt, FORMATS)
+    cfg, weights, spec = run_parts(run_dir)
+    if fmt == "torchvision":
+        path = Path(out or run_dir / f"torchvision_{cfg.model.name}.pt")
+        torch.save(torchvision_state(cfg, weights, spec.num_classes), path)
+        return path
+    try:
+        from safetensors.torch import save_file
+    except ImportError as err:
+        raise ConfigError("format=safetensors needs the safetensors package: pip install 'bnexp[export]'") from err
+    path = Path(out or run_dir / "model.safetensors")
+    info = sidecar(cfg, spec)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path), metadata={"format": "bnexp"})
+    Path(f"{path}.json").write_text(json.dumps(info, indent=2, default=str))
+    return path
+
+
+def command(args: list[str]) -> None:
+    """``bnexp export RUN [format=torchvision|safetensors] [out=FILE]``."""
+    def body() -> None:
+        if not args or "=" in args[0]:
+            raise ConfigError("usage: bnexp export RUN_DIR [format=torchvision|safetensors] [out=FILE]")
+        options, extra = split_options(args[1:], {"format": "", "out": ""})
+        if extra:
+            raise ConfigError(f"unknown option {extra[0].partition('=')[0]!r}; options: format, out")
+        print(export(Path(args[0]), options.get("format", "torchvision"), options.get("out", "")))
+
+    exit_on_error(body)
