@@ -37,6 +37,7 @@ class TrainState:
     step: int = 0  # optimizer steps taken so far
     dist: Dist = field(default_factory=Dist)  # rank and world size (rank 0 of 1 unless under torchrun)
     train_data: Optional[Dataset] = None  # the training set (probes draw batches from it); None in benches
+    summary: dict = field(default_factory=dict)  # the run's summary.json so far (loggers mirror it at the end)
 
     @property
     def epoch(self) -> float:

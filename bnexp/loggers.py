@@ -1,54 +1,225 @@
-"""Optional run loggers, chosen with ``logger=<name>`` (``configs/logger/``).
+"""Experiment trackers, chosen with ``logger=<name>`` (``configs/logger/``).
 
-``logger=tensorboard`` writes the scalars of every metrics.csv row (losses, accuracies,
-learning rate, seconds) as TensorBoard events, by default into ``<run dir>/tensorboard``.
-Under torchrun only rank 0 writes (the logged metrics are already summed over the ranks).
+``tensorboard``, ``mlflow`` and ``wandb`` mirror a run to the tracker: the resolved config
+as its hyperparameters, every metrics.csv row (losses, accuracies, learning rate, seconds)
+under ``metrics/``, the rows the probes and the scale-invariant weights' log add
+(``probes.csv`` under ``probes/<probe>/<layer>/<quantity>``, ``weights.csv`` under
+``weights/<layer>/<column>``) at each evaluation, and at the end the run's summary (status,
+final and best accuracies). A run is named after its directory and grouped by its
+directory's parent (a sweep's folder; ``runs`` for a single run), so the seeds of a
+sweep's cells sit together. Under torchrun only rank 0 logs (the metrics are already
+summed over the ranks). Each tracker is an optional extra (``pip install 'bnexp[mlflow]'``);
+a missing one is a ConfigError naming it.
+
+- ``tensorboard``: event files in ``<run dir>/tensorboard`` (or ``logger.dir``), with the
+  config and final metrics in the HParams tab (``tensorboard --logdir <sweep folder>``).
+- ``mlflow``: MLflow's own tracking store, ``logger.tracking_uri`` (default a SQLite file,
+  ``sqlite:///results/mlflow.db``; ``mlflow ui --backend-store-uri <uri>`` shows it), the
+  experiment named after the group; the summary and config as JSON artifacts.
+- ``wandb``: Weights & Biases, ``logger.project`` (``WANDB_MODE=offline`` keeps everything
+  in ``<run dir>/wandb`` for a later ``wandb sync``).
 """
 
 from __future__ import annotations
 
+import csv
+import importlib
+import math
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
 from bnexp.callbacks import Callback, TrainState
 from bnexp.errors import ConfigError
+from bnexp.identity import flatten
 
 NOT_SCALARS = ("step", "epoch")
+SUMMARY_KEYS = ("status", "final_top1", "best_top1", "final_top5", "best_top5", "final_test_loss", "final_train_loss",
+                "steps", "params")
 
 
-class TensorBoardLogger(Callback):
-    """One TensorBoard scalar per metrics.csv column, at the row's step (rank 0 only)."""
+def scalars(row: Mapping[str, Any], prefix: str) -> dict[str, float]:
+    """The finite numbers of a row, keyed ``<prefix>/<column>``."""
+    return {f"{prefix}/{k}": float(v) for k, v in row.items()
+            if k not in NOT_SCALARS and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
-    def __init__(self, log_dir: str | None) -> None:
-        self.log_dir = log_dir
-        self.writer: Any = None
+
+class SideFiles:
+    """The rows the probes (``probes.csv``) and the weights' log (``weights.csv``) appended
+    since the last read, as scalars per step."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.seen = {"probes.csv": 0, "weights.csv": 0}
+
+    def new(self) -> dict[int, dict[str, float]]:
+        out: dict[int, dict[str, float]] = {}
+        for name, key in (("probes.csv", self._probe_key), ("weights.csv", self._weight_keys)):
+            path = self.run_dir / name
+            if not path.is_file():
+                continue
+            with open(path, newline="") as f:
+                rows = list(csv.DictReader(f))
+            for row in rows[self.seen[name]:]:
+                out.setdefault(int(row["step"]), {}).update(key(row))
+            self.seen[name] = len(rows)
+        return out
+
+    @staticmethod
+    def _probe_key(row: Mapping[str, str]) -> dict[str, float]:
+        value = float(row["value"])
+        name = "/".join(p for p in ("probes", row["probe"], row["layer"], row["quantity"]) if p)
+        return {name: value} if math.isfinite(value) else {}
+
+    @staticmethod
+    def _weight_keys(row: Mapping[str, str]) -> dict[str, float]:
+        return {f"weights/{row['layer']}/{k}": float(v) for k, v in row.items()
+                if k not in ("step", "epoch", "layer") and v not in ("", None) and math.isfinite(float(v))}
+
+
+class Tracker(Callback):
+    """What every tracker does; subclasses open, log and close in their own API."""
+
+    module = ""  # the package it needs
+    extra = ""  # bnexp's extra that installs it
+
+    def __init__(self, settings: Mapping[str, Any]) -> None:
+        self.settings = dict(settings)
+        self.opened = False
+        self.side: SideFiles | None = None
 
     def on_train_start(self, state: TrainState) -> None:
-        """Check tensorboard is installed (on every rank, so all stop alike); rank 0 opens the writer."""
+        """Check the package is there (every rank, so all stop alike); rank 0 opens the run."""
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            importlib.import_module(self.module)
         except ImportError as err:
-            raise ConfigError("logger=tensorboard needs the tensorboard package: pip install 'bnexp[tensorboard]'") from err
-        if state.dist.is_main:
-            self.writer = SummaryWriter(log_dir=str(Path(self.log_dir or state.run_dir / "tensorboard")))
+            raise ConfigError(f"logger={self.settings.get('name')} needs the {self.module} package, which is not "
+                              f"installed: pip install 'bnexp[{self.extra}]'") from err
+        if not state.dist.is_main:
+            return
+        run_dir = Path(state.run_dir)
+        self.side = SideFiles(run_dir)
+        config = OmegaConf.to_container(state.cfg, resolve=True)
+        self.open(run_dir, run_dir.name, run_dir.parent.name, config)
+        self.opened = True
 
     def on_eval(self, state: TrainState, row: dict[str, Any]) -> None:
-        if self.writer is None:
+        if not self.opened:
             return
-        for key, value in row.items():
-            if key not in NOT_SCALARS and isinstance(value, (int, float)):
-                self.writer.add_scalar(f"metrics/{key}", value, global_step=row["step"])
-        self.writer.flush()
+        assert self.side is not None
+        for step, values in sorted(self.side.new().items()):
+            self.log(values, step)
+        self.log(scalars(row, "metrics"), int(row["step"]))
 
     def on_train_end(self, state: TrainState, status: str) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        if not self.opened:
+            return
+        assert self.side is not None
+        for step, values in sorted(self.side.new().items()):
+            self.log(values, step)
+        summary = {k: state.summary[k] for k in SUMMARY_KEYS if k in state.summary} | {"status": status}
+        self.close(summary, status)
+        self.opened = False
+
+    def open(self, run_dir: Path, name: str, group: str, config: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def log(self, values: Mapping[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def close(self, summary: Mapping[str, Any], status: str) -> None:
+        raise NotImplementedError
+
+
+def hparam(value: Any) -> Any:
+    """A config value as TensorBoard's HParams plugin takes it (bool, number or string)."""
+    return value if isinstance(value, (bool, int, float, str)) else str(value)
+
+
+class TensorBoardLogger(Tracker):
+    module, extra = "tensorboard", "tensorboard"
+
+    def open(self, run_dir: Path, name: str, group: str, config: dict[str, Any]) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.config = {k: hparam(v) for k, v in flatten(config).items()}
+        self.writer = SummaryWriter(log_dir=str(Path(self.settings.get("dir") or run_dir / "tensorboard")))
+
+    def log(self, values: Mapping[str, float], step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self, summary: Mapping[str, Any], status: str) -> None:
+        finals = {f"hparams/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
+        self.writer.add_hparams(self.config | {"status": status}, finals, run_name=".")
+        self.writer.close()
+
+
+class MLflowLogger(Tracker):
+    module, extra = "mlflow", "mlflow"
+
+    def open(self, run_dir: Path, name: str, group: str, config: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        uri = self.settings.get("tracking_uri") or "sqlite:///results/mlflow.db"
+        if uri.startswith("sqlite:///"):
+            Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment_name = self.settings.get("experiment") or group
+        experiment = self.client.get_experiment_by_name(experiment_name)
+        if experiment is None:
+            artifacts = None
+            if uri.startswith("sqlite:///"):  # beside the database, not in the working directory
+                artifacts = (Path(uri.removeprefix("sqlite:///")).parent / "mlflow-artifacts").resolve().as_uri()
+            experiment_id = self.client.create_experiment(experiment_name, artifact_location=artifacts)
+        else:
+            experiment_id = experiment.experiment_id
+        self.run_id = self.client.create_run(experiment_id, run_name=name, tags={"run_dir": str(run_dir)}).info.run_id
+        params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]
+        for start in range(0, len(params), 100):  # MLflow takes 100 parameters per batch
+            self.client.log_batch(self.run_id, params=params[start:start + 100])
+        self.client.log_dict(self.run_id, config, "config.json")
+
+    def log(self, values: Mapping[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in values.items()]
+        for start in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
+
+    def close(self, summary: Mapping[str, Any], status: str) -> None:
+        self.client.log_dict(self.run_id, dict(summary), "summary.json")
+        self.client.set_tag(self.run_id, "status", status)
+        self.client.set_terminated(self.run_id, "FINISHED" if status == "completed" else "FAILED")
+
+
+class WandbLogger(Tracker):
+    module, extra = "wandb", "wandb"
+
+    def open(self, run_dir: Path, name: str, group: str, config: dict[str, Any]) -> None:
+        import wandb
+
+        self.run = wandb.init(project=self.settings.get("project") or "bnexp", entity=self.settings.get("entity"),
+                              group=group, name=name, dir=str(run_dir), config=config, reinit="create_new")
+
+    def log(self, values: Mapping[str, float], step: int) -> None:
+        self.run.log(dict(values), step=step)
+
+    def close(self, summary: Mapping[str, Any], status: str) -> None:
+        self.run.summary.update(dict(summary))
+        self.run.finish(exit_code=0 if status == "completed" else 1)
+
+
+TRACKERS = {"tensorboard": TensorBoardLogger, "mlflow": MLflowLogger, "wandb": WandbLogger}
 
 
 def logger_callback(cfg: DictConfig) -> Callback | None:
-    """The TensorBoard callback when ``logger=tensorboard``."""
-    if OmegaConf.select(cfg, "logger.name") != "tensorboard":
-        return None
-    return TensorBoardLogger(OmegaConf.select(cfg, "logger.dir"))
+    """The tracker ``logger=`` names (None for ``logger=none``)."""
+    settings = OmegaConf.to_container(cfg.logger, resolve=True) if "logger" in cfg else {"name": "none"}
+    tracker = TRACKERS.get(str(settings.get("name")))
+    return None if tracker is None else tracker(settings)

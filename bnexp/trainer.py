@@ -381,7 +381,8 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_schedule(optimizer, cfg.schedule, loaders.steps_per_epoch)
     state = TrainState(cfg, run_dir, device, model, optimizer, scheduler, loaders.steps_per_epoch,
-                       total_steps(cfg.trainer, loaders.steps_per_epoch), dist=d, train_data=bundle.train)
+                       total_steps(cfg.trainer, loaders.steps_per_epoch), dist=d, train_data=bundle.train,
+                       summary=summary)
     run = Run(state, build_callbacks(cfg) + extra_callbacks, summary, net)
     summary.update(params=count_parameters(model), device=str(device), steps_per_epoch=state.steps_per_epoch,
                    loader=loaders.kind, world_size=d.world_size, num_classes=bundle.spec.num_classes)

@@ -287,3 +287,88 @@ def test_export_to_safetensors_rebuilds_any_run(tmp_path: Path, capsys) -> None:
     x = torch.randn(4, 3, 8, 8)
     assert torch.equal(rebuilt(x), ours.eval()(x))
     assert run_cli(["export", str(run), "format=onnx"], capsys)[0] == 2
+
+
+TRACKED = [*TINY, "norm=bn", "probes=[grad_norm]", "trainer.eval_every=2", "trainer.eval_unit=step"]
+
+
+def test_tensorboard_gets_hparams_probes_and_weights(tmp_path: Path, capsys) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "sweep" / "cell"
+    assert run_cli(["train", *TRACKED, "logger=tensorboard", f"hydra.run.dir={run}"], capsys)[0] == 0
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"metrics/test_acc", "metrics/train_loss", "metrics/lr"} <= tags
+    assert any(t.startswith("probes/grad_norm/") for t in tags) and any(t.startswith("weights/") for t in tags)
+    assert [e.step for e in events.Scalars("metrics/test_acc")] == [2, 4]
+    assert events.PluginTagToContent("hparams")  # the HParams tab: the config and the final metrics
+
+
+def test_mlflow_logs_into_its_sqlite_store(tmp_path: Path, capsys) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    root = tmp_path / "sweep"
+    code, out = run_cli(["train", "-m", *TRACKED, "trainer.seed=0,1", "logger=mlflow", f"logger.tracking_uri={uri}",
+                         f"hydra.sweep.dir={root}"], capsys)
+    assert code == 0, out
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(root.name)  # the sweep folder groups the seeds
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
+    for r in runs:
+        summary = json.loads((Path(r.data.tags["run_dir"]) / "summary.json").read_text())
+        assert r.data.params["optim.lr"] == "0.1" and r.data.params["trainer.seed"] == str(summary["config"]["trainer"]["seed"])
+        history = client.get_metric_history(r.info.run_id, "metrics/test_acc")
+        assert [m.step for m in history] == [2, 4] and history[-1].value == summary["final_top1"]
+        assert any(k.startswith("probes/grad_norm/") for k in r.data.metrics) and r.data.tags["status"] == "completed"
+        assert {a.path for a in client.list_artifacts(r.info.run_id)} == {"config.json", "summary.json"}
+
+
+def wandb_records(run_dir: Path) -> list:
+    """The records of an offline W&B run's .wandb file (W&B's leveldb-style log format)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data, pos, block, records, chunk = path.read_bytes(), 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = chunk + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            records.append(record)
+            chunk = b""
+    return records
+
+
+def test_wandb_logs_offline(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "sweep" / "cell"
+    assert run_cli(["train", *TRACKED, "logger=wandb", f"hydra.run.dir={run}"], capsys)[0] == 0
+    records = wandb_records(run)
+    (info,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert (info.run_group, info.display_name, info.project) == ("sweep", "cell", "bnexp")
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item} for r in records
+               if r.WhichOneof("record_type") == "history"]
+    final = json.loads((run / "summary.json").read_text())["final_top1"]
+    assert [h["metrics/test_acc"] for h in history if "metrics/test_acc" in h][-1] == final
+    assert any(k.startswith("weights/") for h in history for k in h)
+    summary = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for r in records
+               if r.WhichOneof("record_type") == "summary" for i in r.summary.update}
+    assert summary["status"] == "completed" and summary["final_top1"] == final
+
+
+def test_a_missing_tracker_names_its_extra(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed: importing it raises ImportError
+    code, out = run_cli(["train", *TINY, "logger=mlflow", f"hydra.run.dir={tmp_path}"], capsys)
+    assert code != 0 and "pip install 'bnexp[mlflow]'" in out
