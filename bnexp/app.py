@@ -296,6 +296,21 @@ def register_plugins() -> None:
     Plugins.instance().register(PackLauncher)
 
 
+# Hydra plugins bnexp's extras install: (override prefix, the plugin's module, the extra).
+PLUGIN_EXTRAS = (("hydra/sweeper=optuna", "hydra_plugins.hydra_optuna_sweeper", "optuna"),
+                 ("hydra/launcher=submitit", "hydra_plugins.hydra_submitit_launcher", "slurm"))
+
+
+def check_plugins(args: Sequence[str]) -> None:
+    """A ConfigError naming the extra to install when a chosen Hydra plugin is missing."""
+    import importlib.util
+
+    for prefix, module, extra in PLUGIN_EXTRAS:
+        chosen = [a for a in args if a.lstrip("+~").startswith(prefix)]
+        if chosen and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{chosen[0]} needs a Hydra plugin that is not installed: pip install 'bnexp[{extra}]'")
+
+
 def search_sweeper(args: Sequence[str]) -> list[str]:
     """``hydra/sweeper=<search>`` for ``hparams_search=<search>`` when no sweeper is chosen:
     configs/train.yaml's own choice (bnexp's sweeper) outranks one made in a config it
@@ -317,9 +332,13 @@ def train_command(args: list[str]) -> None:
     args = multirun_flags + [a for a in args if a not in multirun_flags]  # `train a=1 -m b=2,3` works too
     args += search_sweeper(args)
     try:
+        check_plugins(args)
         if "--dry-run" in args:
             if not {"-m", "--multirun"} & set(args):
                 raise ConfigError("--dry-run lists the jobs of a sweep: use it with -m")
+            if any(a.startswith("hydra/sweeper=") and a != "hydra/sweeper=bnexp" for a in args):
+                raise ConfigError("--dry-run lists the cells of bnexp's sweeper; a search (hparams_search=..., "
+                                  "another hydra/sweeper) picks its trials as it goes")
             args = [a for a in args if a != "--dry-run"] + [DRY_RUN]
         check_command_line(args)
     except BnexpError as err:

@@ -131,7 +131,11 @@ def load(path: Path, require_checksum: bool = True) -> dict[str, Any]:
     data = verified_bytes(path, require_checksum)
     try:
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # written before 2026-11-23 (numpy's RNG state as an array)
+    except pickle.UnpicklingError as err:  # written before 2026-11-23 (numpy's RNG state as an array)
+        if not checksum_path(path).is_file():  # only bnexp's own files, vouched for by their checksum
+            raise ValueError(f"unreadable checkpoint {path}: it holds more than tensors and plain containers "
+                             "(torch.load(weights_only=True) refuses it) and has no checksum file showing bnexp "
+                             "wrote it") from err
         log.warning("%s was written by an older bnexp: loading it with weights_only=False", path)
         payload = _load_any(path, data)
     except Exception as err:
@@ -143,7 +147,7 @@ def load(path: Path, require_checksum: bool = True) -> dict[str, Any]:
 
 
 def _load_any(path: Path, data: bytes) -> Any:
-    """A checkpoint of an older bnexp, unpickled in full (its bytes matched its checksum)."""
+    """A checkpoint of an older bnexp, unpickled in full (its bytes matched its checksum file)."""
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as err:

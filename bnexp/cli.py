@@ -87,12 +87,17 @@ def command_help(command: str) -> str:
 
 
 def completion(argv: list[str]) -> None:
-    """Answer a shell-completion query: command names, or Hydra's completion of ``bnexp train``."""
+    """Hydra's shell completion of ``bnexp train``: its install script, or the answer to a
+    query (command names while the command is being typed)."""
+    query = next((a.partition("=")[2] for a in argv[1:] if a.startswith("query=")), None)
+    if query is None:  # install= / uninstall=: the script
+        train_command(argv)
+        return
     line = os.environ.get("COMP_LINE", "")
     words = line.split(" ", 2)
     if len(words) <= 2:  # still typing the command name
         typed = words[1] if len(words) == 2 else ""
-        print(" ".join(name for name in COMMANDS if name.startswith(typed)))
+        print(("\n" if query == "fish" else " ").join(name for name in COMMANDS if name.startswith(typed)))
         return
     if words[1] == "train":
         os.environ["COMP_LINE"] = f"{words[0]} {words[2]}"

@@ -15,7 +15,8 @@ a missing one is a ConfigError naming it.
   config and final metrics in the HParams tab (``tensorboard --logdir <sweep folder>``).
 - ``mlflow``: MLflow's own tracking store, ``logger.tracking_uri`` (default a SQLite file,
   ``sqlite:///results/mlflow.db``; ``mlflow ui --backend-store-uri <uri>`` shows it), the
-  experiment named after the group; the summary and config as JSON artifacts.
+  experiment named after the group; the summary and config as JSON artifacts
+  (``bnexp_summary.json``, ``config.json``).
 - ``wandb``: Weights & Biases, ``logger.project`` (``WANDB_MODE=offline`` keeps everything
   in ``<run dir>/wandb`` for a later ``wandb sync``).
 """
@@ -23,8 +24,10 @@ a missing one is a ConfigError naming it.
 from __future__ import annotations
 
 import csv
+import fcntl
 import importlib
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -166,18 +169,21 @@ class MLflowLogger(Tracker):
         from mlflow.tracking import MlflowClient
 
         uri = self.settings.get("tracking_uri") or "sqlite:///results/mlflow.db"
-        if uri.startswith("sqlite:///"):
-            Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        self.client = MlflowClient(tracking_uri=uri)
-        experiment_name = self.settings.get("experiment") or group
-        experiment = self.client.get_experiment_by_name(experiment_name)
-        if experiment is None:
-            artifacts = None
-            if uri.startswith("sqlite:///"):  # beside the database, not in the working directory
-                artifacts = (Path(uri.removeprefix("sqlite:///")).parent / "mlflow-artifacts").resolve().as_uri()
-            experiment_id = self.client.create_experiment(experiment_name, artifact_location=artifacts)
-        else:
-            experiment_id = experiment.experiment_id
+        store = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+        if store is not None:
+            store.parent.mkdir(parents=True, exist_ok=True)
+        # One process at a time creates the database and the experiment (parallel sweep jobs race otherwise).
+        with open(store.with_name(store.name + ".lock") if store else os.devnull, "a") as lock:
+            if store is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            self.client = MlflowClient(tracking_uri=uri)
+            experiment_name = self.settings.get("experiment") or group
+            experiment = self.client.get_experiment_by_name(experiment_name)
+            if experiment is None:  # artifacts beside the database, not in the working directory
+                artifacts = (store.parent / "mlflow-artifacts").resolve().as_uri() if store else None
+                experiment_id = self.client.create_experiment(experiment_name, artifact_location=artifacts)
+            else:
+                experiment_id = experiment.experiment_id
         self.run_id = self.client.create_run(experiment_id, run_name=name, tags={"run_dir": str(run_dir)}).info.run_id
         params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]
         for start in range(0, len(params), 100):  # MLflow takes 100 parameters per batch
@@ -193,7 +199,7 @@ class MLflowLogger(Tracker):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
     def close(self, summary: Mapping[str, Any], status: str) -> None:
-        self.client.log_dict(self.run_id, dict(summary), "summary.json")
+        self.client.log_dict(self.run_id, dict(summary), "bnexp_summary.json")  # not summary.json: tables read those
         self.client.set_tag(self.run_id, "status", status)
         self.client.set_terminated(self.run_id, "FINISHED" if status == "completed" else "FAILED")
 

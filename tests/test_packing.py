@@ -355,7 +355,7 @@ def pack_dirs(run: Path) -> list[Path]:
 
 @pytest.mark.slow
 def test_sigkill_then_rerun_resumes_the_whole_pack_bit_exactly(tmp_path: Path) -> None:
-    steps = 40
+    steps = 24
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     done = subprocess.run([*cli_command(reference, steps), "trainer.pack=3"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -404,24 +404,21 @@ EVERY_MODEL = {  # (overrides, image size)
                          "model.stochastic_depth=0"], 16),
 }
 EVERY_NORM = ["bn", "bn_si", "brn", "gn", "ln", "none", "cbn", "popnorm", "bnp", "bnp_gn"]
+# Every norm on the small models; on the large ones, one of each kind of module a norm
+# brings (per-channel statistics with AMAT, groups, BNP's hooks) to keep the suite short.
+LARGE = ("preact_resnet110", "resnet18", "resnet50", "vgg16", "efficientnet_b0")
+EVERY_PAIR = [(m, n) for m in EVERY_MODEL for n in EVERY_NORM if m not in LARGE or n in ("bn", "cbn", "gn", "bnp")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", list(EVERY_MODEL))
-@pytest.mark.parametrize("norm", EVERY_NORM)
+@pytest.mark.parametrize("model,norm", EVERY_PAIR)
 def test_every_model_and_norm_packs_exactly(model: str, norm: str, tmp_path: Path) -> None:
     """Two training steps of every model under every norm, packed against alone, in float64:
     the same weights and statistics to rounding (relative to each tensor's magnitude)."""
-    from bnexp.errors import ConfigError
-
     overrides, size = EVERY_MODEL[model]
     groups = ["norm.groups=2"] if "gn" in norm else []
     cfg = compose_cfg([*overrides, f"norm={norm}", *PROTOCOL, *groups, "optim.lr=1e-3"])
     spec = DataSpec(10, 3, size)
-    if (model, norm) == ("preact_resnet110", "bn_si"):  # refused for a run alone: nothing to pack
-        with pytest.raises(ConfigError, match="norm=bn_si"):
-            seeded(cfg, spec, 0)
-        return
     models = [seeded(cfg, spec, run) for run in range(RUNS)]
     data = [batches(run, size, 4)[:2] for run in range(RUNS)]
     joined = [(pack_inputs([d[s][0] for d in data]), torch.stack([d[s][1] for d in data], 1)) for s in range(2)]

@@ -124,7 +124,8 @@ def test_packaging_metadata() -> None:
 
     meta = metadata("bnexp")  # the installed distribution's, built from pyproject.toml
     assert (ROOT / "LICENSE").is_file() and (ROOT / "bnexp" / "py.typed").is_file()
-    assert {"plot", "slurm", "tensorboard", "optuna", "dev"} <= set(meta.get_all("Provides-Extra"))
+    assert {"plot", "slurm", "tensorboard", "mlflow", "wandb", "optuna", "export", "dev"} <= set(
+        meta.get_all("Provides-Extra"))
     assert not any(r.startswith("omegaconf") for r in meta.get_all("Requires-Dist"))  # hydra-core brings it
     assert "Typing :: Typed" in meta.get_all("Classifier") and meta.get_all("Project-URL")
     assert meta["License-Expression"] == "MIT"
@@ -146,6 +147,21 @@ def test_checkpoints_load_with_weights_only(norm: str, tmp_path: Path, capsys) -
     assert run_cli(args, capsys)[0] == 0
     payload = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert payload["step"] == 4 and isinstance(payload["rng"][0]["numpy"]["keys"], torch.Tensor)
+
+
+def test_older_checkpoints_load_only_when_their_checksum_vouches(tmp_path: Path, caplog) -> None:
+    import numpy as np
+
+    from bnexp import checkpoint
+
+    payload = {"model": {}, "optimizer": {}, "scheduler": {}, "step": 3,
+               "rng": [checkpoint.capture_rng() | {"numpy": np.random.get_state()}]}  # the format before 2026-11-23
+    path = tmp_path / "step-000000003.pt"
+    checkpoint.save(payload, path)
+    assert checkpoint.load(path)["step"] == 3 and "older bnexp" in caplog.text
+    checkpoint.checksum_path(path).unlink()  # a file nobody vouches for: never unpickled in full
+    with pytest.raises(ValueError, match="no checksum file"):
+        checkpoint.load(path, require_checksum=False)
 
 
 def test_rng_states_of_older_checkpoints_still_restore() -> None:
@@ -181,8 +197,8 @@ def test_init_from_takes_weights_only(tmp_path: Path, capsys) -> None:
 
 
 def test_eval_of_a_finished_run(tmp_path: Path, capsys) -> None:
-    run = tmp_path / "run"
-    assert run_cli(["train", *TINY, f"hydra.run.dir={run}"], capsys)[0] == 0
+    run = tmp_path / "norm=bn,act=relu"  # a directory named the way bnexp names them
+    assert run_cli(["train", *TINY, f'hydra.run.dir="{run}"'], capsys)[0] == 0
     final = json.loads((run / "summary.json").read_text())
     code, out = run_cli(["eval", str(run)], capsys)
     assert code == 0, out
@@ -199,6 +215,9 @@ def test_eval_of_a_finished_run(tmp_path: Path, capsys) -> None:
     assert code == 2 and "split" in out and "test" in out
     code, out = run_cli(["eval", str(tmp_path)], capsys)
     assert code == 2 and "not a finished run" in out
+    for bad in ("batch=x", "device=gpu"):
+        code, out = run_cli(["eval", str(run), bad], capsys)
+        assert code == 2 and bad.split("=")[1] in out
 
 
 PRESET_LIKE = {"Method": ["BN", "Improv.", "CBN_x"], "Sigmoid": ["91.20 ± 0.31 (10)", "", "– (0; 2 diverged)"],
@@ -220,7 +239,8 @@ def test_latex_export_is_booktabs_with_grouped_columns_and_ascii_only() -> None:
                                                                                        r"\bottomrule")]
     header = lines[lines.index(r"\toprule") + 1: lines.index(r"\midrule")]
     assert header[0] == r" & \multicolumn{3}{c}{Sigmoid} & \multicolumn{3}{c}{ReLU} \\"
-    assert header[1] == r"Method & ours & paper & $\Delta$ & ours & paper & $\Delta$ \\"
+    assert header[1] == r"\cmidrule(lr){2-4} \cmidrule(lr){5-7}"
+    assert header[2] == r"Method & ours & paper & $\Delta$ & ours & paper & $\Delta$ \\"
     body = lines[lines.index(r"\midrule") + 1: lines.index(r"\bottomrule")]
     assert all(row.count(" & ") == 6 and row.endswith(r"\\") for row in body)
     assert r"91.20 $\pm$ 0.31 (10)" in text and r"+0.5\%" in text and r"CBN\_x" in text and "-- (0; 2 diverged)" in text
@@ -274,11 +294,11 @@ def test_export_to_safetensors_rebuilds_any_run(tmp_path: Path, capsys) -> None:
     from bnexp.models import DataSpec, build_model
     from bnexp.report.export import rebuild
 
-    run = tmp_path / "run"
-    assert run_cli(["train", *TINY, "norm=cbn", f"hydra.run.dir={run}"], capsys)[0] == 0
-    code, out = run_cli(["export", str(run)], capsys)
+    run = tmp_path / "norm=cbn"
+    assert run_cli(["train", *TINY, "norm=cbn", f'hydra.run.dir="{run}"'], capsys)[0] == 0
+    code, out = run_cli(["export", str(run), "format=torchvision"], capsys)
     assert code == 2 and "format=torchvision needs a torchvision architecture" in out and "norm=cbn" in out
-    code, out = run_cli(["export", str(run), "format=safetensors"], capsys)
+    code, out = run_cli(["export", str(run)], capsys)  # the default where torchvision has no twin
     assert code == 0 and Path(out.strip()) == run / "model.safetensors"
     rebuilt = rebuild(run / "model.safetensors")
     cfg = compose_cfg([*TINY, "norm=cbn"])
@@ -303,7 +323,12 @@ def test_tensorboard_gets_hparams_probes_and_weights(tmp_path: Path, capsys) -> 
     assert {"metrics/test_acc", "metrics/train_loss", "metrics/lr"} <= tags
     assert any(t.startswith("probes/grad_norm/") for t in tags) and any(t.startswith("weights/") for t in tags)
     assert [e.step for e in events.Scalars("metrics/test_acc")] == [2, 4]
-    assert events.PluginTagToContent("hparams")  # the HParams tab: the config and the final metrics
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = events.PluginTagToContent("hparams")  # the HParams tab: the config and the final metrics
+    session = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    assert session.session_start_info.hparams["optim.lr"].number_value == 0.1
+    assert session.session_start_info.hparams["status"].string_value == "completed"
 
 
 def test_mlflow_logs_into_its_sqlite_store(tmp_path: Path, capsys) -> None:
@@ -324,7 +349,7 @@ def test_mlflow_logs_into_its_sqlite_store(tmp_path: Path, capsys) -> None:
         history = client.get_metric_history(r.info.run_id, "metrics/test_acc")
         assert [m.step for m in history] == [2, 4] and history[-1].value == summary["final_top1"]
         assert any(k.startswith("probes/grad_norm/") for k in r.data.metrics) and r.data.tags["status"] == "completed"
-        assert {a.path for a in client.list_artifacts(r.info.run_id)} == {"config.json", "summary.json"}
+        assert {a.path for a in client.list_artifacts(r.info.run_id)} == {"config.json", "bnexp_summary.json"}
 
 
 def wandb_records(run_dir: Path) -> list:
@@ -363,6 +388,7 @@ def test_wandb_logs_offline(tmp_path: Path, capsys, monkeypatch) -> None:
     final = json.loads((run / "summary.json").read_text())["final_top1"]
     assert [h["metrics/test_acc"] for h in history if "metrics/test_acc" in h][-1] == final
     assert any(k.startswith("weights/") for h in history for k in h)
+    assert any(k.startswith("probes/grad_norm/") for h in history for k in h)
     summary = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for r in records
                if r.WhichOneof("record_type") == "summary" for i in r.summary.update}
     assert summary["status"] == "completed" and summary["final_top1"] == final
@@ -372,3 +398,45 @@ def test_a_missing_tracker_names_its_extra(tmp_path: Path, capsys, monkeypatch) 
     monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed: importing it raises ImportError
     code, out = run_cli(["train", *TINY, "logger=mlflow", f"hydra.run.dir={tmp_path}"], capsys)
     assert code != 0 and "pip install 'bnexp[mlflow]'" in out
+
+
+def test_export_refuses_weights_torchvision_would_compute_otherwise(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    args = ["train", *[a for a in TINY if a != "model.width=4"], "model=resnet18", "norm=bn", "norm.eps=0.1",
+            "trainer.max_steps=1", "trainer.batch_size=4", "optim.lr=0.001", f"hydra.run.dir={run}"]
+    assert run_cli(args, capsys)[0] == 0
+    code, out = run_cli(["export", str(run), "format=torchvision"], capsys)
+    assert code == 2 and "computes other logits" in out
+
+
+def test_table_html_without_runs_is_a_page(tmp_path: Path, capsys) -> None:
+    code, out = run_cli(["table", "cbn/table1", f"results={tmp_path}", "format=html", f"out={tmp_path / 't.html'}"],
+                        capsys)
+    assert code == 0 and "<table" in (tmp_path / "t.html").read_text()
+
+
+def test_completion_install_without_train_and_a_missing_sweeper(capsys, monkeypatch) -> None:
+    code, script = run_cli(["-sc", "install=bash"], capsys)
+    assert code == 0 and "hydra_bash_completion" in script
+    monkeypatch.setenv("COMP_LINE", "bnexp t")
+    assert run_cli(["-sc", "query=fish"], capsys)[1].split("\n")[:2] == ["train", "table"]
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "hydra_plugins.hydra_optuna_sweeper" else real(name, *a))
+    code, out = run_cli(["train", "-m", "hparams_search=optuna", *TINY], capsys)
+    assert code == 2 and "pip install 'bnexp[optuna]'" in out
+
+
+@pytest.mark.skipif(shutil.which("pdflatex") is None, reason="no pdflatex here (CI has no TeX)")
+def test_latex_export_compiles_with_pdflatex(tmp_path: Path) -> None:
+    import pandas as pd
+
+    from bnexp.report.table import LEGEND, latex
+
+    body = latex(pd.DataFrame(PRESET_LIKE), f"CBN Table 1. {LEGEND}.")
+    (tmp_path / "t.tex").write_text("\\documentclass{article}\\usepackage{booktabs}\\begin{document}\n"
+                                    f"{body}\\end{{document}}\n")
+    done = subprocess.run(["pdflatex", "-interaction=nonstopmode", "t.tex"], cwd=tmp_path, capture_output=True)
+    assert done.returncode == 0 and (tmp_path / "t.pdf").is_file()

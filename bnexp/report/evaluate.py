@@ -32,6 +32,7 @@ from bnexp.runinfo import resolve_device, version_stamp, write_json
 from bnexp.trainer import evaluate
 
 SPLITS = ("test", "train")
+DEVICES = ("auto", "cpu", "cuda")
 OPTIONS = {"split": "test", "device": "auto", "batch": "0"}
 EVAL_FILE = "eval.json"
 
@@ -61,6 +62,8 @@ def evaluate_run(run_dir: Path, overrides: list[str], split: str = "test", devic
     """Evaluate ``run_dir``'s final weights; the entry written to its eval.json."""
     if split not in SPLITS:
         raise unknown_choice("split", split, SPLITS)
+    if device not in DEVICES:
+        raise unknown_choice("device", device, DEVICES)
     if not (run_dir / "config.yaml").is_file() or not (run_dir / checkpoint.FINAL).is_file():
         raise ConfigError(f"bnexp eval: {run_dir} is not a finished run (it needs config.yaml and "
                           f"{checkpoint.FINAL}; unfinished runs have only periodic checkpoints)")
@@ -93,10 +96,13 @@ def evaluate_run(run_dir: Path, overrides: list[str], split: str = "test", devic
 def command(args: list[str]) -> None:
     """``bnexp eval RUN [data=...] [split=test] [device=auto] [batch=N]``."""
     def body() -> None:
-        if not args or "=" in args[0]:
-            raise ConfigError("usage: bnexp eval RUN_DIR [data=NAME] [data.KEY=VALUE ...] [split=test|train]")
+        if not args or not Path(args[0]).is_dir():
+            raise ConfigError("usage: bnexp eval RUN_DIR [data=NAME] [data.KEY=VALUE ...] [split=test|train] "
+                              f"[device=auto] [batch=N]{'' if not args else f' ({args[0]!r} is no directory)'}")
         options, overrides = split_options(args[1:], OPTIONS)
         opts = {**OPTIONS, **options}
+        if not opts["batch"].isdigit():
+            raise ConfigError(f"batch={opts['batch']!r} is not valid: use a whole number (0: the data config's)")
         entry = evaluate_run(Path(args[0]), overrides, opts["split"], opts["device"], int(opts["batch"]))
         top5 = f", top-5 {entry['test_top5']:.2f}%" if "test_top5" in entry else ""
         print(f"{args[0]}: {entry['data']}/{entry['split']}, {entry['images']} images: loss {entry['test_loss']:.4f}, "

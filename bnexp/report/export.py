@@ -7,7 +7,7 @@ weights in a form other tools load.
   the same logits. bnexp's modules hold the same tensors in the same order as
   torchvision's, so the mapping is positional, checked shape by shape. Default file:
   ``<run>/torchvision_<model>.pt``.
-- ``safetensors`` (any run): the weights as a safetensors file plus a JSON sidecar
+- ``safetensors`` (any run; the default where torchvision has no counterpart): the weights as a safetensors file plus a JSON sidecar
   (``<file>.json``) with what :func:`rebuild` needs to build the model again (model, norm
   and activation settings, classes, channels, image size). Default: ``<run>/model.safetensors``.
 """
@@ -79,20 +79,50 @@ def rebuild(path: Path) -> nn.Module:
     return model.eval()
 
 
-def export(run_dir: Path, fmt: str = "torchvision", out: str = "") -> Path:
-    """Write a run's final weights in ``fmt``; the file written."""
-    if fmt not in FORMATS:
+def same_logits(cfg: DictConfig, weights: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
+                spec: DataSpec) -> None:
+    """A ConfigError unless torchvision's model with ``state`` computes the run's logits
+    (settings torchvision does not have, such as another ``norm.eps``, would change them)."""
+    ours = build_model(cfg.model, cfg.norm, cfg.act.name, spec)
+    ours.load_state_dict(weights)
+    theirs = getattr(torchvision.models, str(cfg.model.name))(num_classes=spec.num_classes)
+    theirs.load_state_dict(state)
+    x = torch.randn(2, spec.in_channels, max(spec.image_size, 32), max(spec.image_size, 32),
+                    generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours.eval()(x), theirs.eval()(x)
+    gap = (a - b).abs().max().item()
+    if not gap <= 1e-4 * max(1.0, a.abs().max().item()):
+        raise ConfigError(f"format=torchvision: torchvision's {cfg.model.name} with these weights computes other logits "
+                          f"(largest difference {gap:.3g}; a setting torchvision lacks, such as norm.eps?): "
+                          "use format=safetensors")
+
+
+def export(run_dir: Path, fmt: str = "", out: str = "") -> Path:
+    """Write a run's final weights in ``fmt`` (default: torchvision where the run has a
+    torchvision counterpart, else safetensors); the file written."""
+    if fmt not in ("", *FORMATS):
         raise unknown_choice("format", fmt, FORMATS)
     cfg, weights, spec = run_parts(run_dir)
-    if fmt == "torchvision":
-        path = Path(out or run_dir / f"torchvision_{cfg.model.name}.pt")
-        torch.save(torchvision_state(cfg, weights, spec.num_classes), path)
-        return path
+    if fmt in ("", "torchvision"):
+        try:
+            state = torchvision_state(cfg, weights, spec.num_classes)
+            same_logits(cfg, weights, state, spec)
+        except ConfigError:
+            if fmt:
+                raise
+            state = None
+        if state is not None:
+            path = Path(out or run_dir / f"torchvision_{cfg.model.name}.pt")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, path)
+            return path
     try:
         from safetensors.torch import save_file
     except ImportError as err:
         raise ConfigError("format=safetensors needs the safetensors package: pip install 'bnexp[export]'") from err
     path = Path(out or run_dir / "model.safetensors")
+    path.parent.mkdir(parents=True, exist_ok=True)
     info = sidecar(cfg, spec)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path), metadata={"format": "bnexp"})
     Path(f"{path}.json").write_text(json.dumps(info, indent=2, default=str))
@@ -102,11 +132,12 @@ def export(run_dir: Path, fmt: str = "torchvision", out: str = "") -> Path:
 def command(args: list[str]) -> None:
     """``bnexp export RUN [format=torchvision|safetensors] [out=FILE]``."""
     def body() -> None:
-        if not args or "=" in args[0]:
-            raise ConfigError("usage: bnexp export RUN_DIR [format=torchvision|safetensors] [out=FILE]")
+        if not args or not Path(args[0]).is_dir():
+            raise ConfigError("usage: bnexp export RUN_DIR [format=torchvision|safetensors] [out=FILE]"
+                              f"{'' if not args else f' ({args[0]!r} is no directory)'}")
         options, extra = split_options(args[1:], {"format": "", "out": ""})
         if extra:
             raise ConfigError(f"unknown option {extra[0].partition('=')[0]!r}; options: format, out")
-        print(export(Path(args[0]), options.get("format", "torchvision"), options.get("out", "")))
+        print(export(Path(args[0]), options.get("format", ""), options.get("out", "")))
 
     exit_on_error(body)

@@ -264,8 +264,19 @@ def latex(table: pd.DataFrame, caption: str) -> str:
         frame.columns = [latex_text(c) for c in frame.columns]
     frame = frame.map(latex_text)
     styler = frame.style.hide(axis="index")
-    return styler.to_latex(caption=latex_text(caption), hrules=True, multicol_align="c", position_float="centering",
+    text = styler.to_latex(caption=latex_text(caption), hrules=True, multicol_align="c", position_float="centering",
                            column_format="l" * labels + "c" * (len(frame.columns) - labels))
+    if not isinstance(frame.columns, pd.MultiIndex):
+        return text
+    spans, start = [], 0  # a \cmidrule under each heading, as booktabs draws a grouped header
+    for top, group in itertools.groupby(frame.columns.get_level_values(0)):
+        width = len(list(group))
+        if top:
+            spans.append(f"\\cmidrule(lr){{{start + 1}-{start + width}}}")
+        start += width
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if "\\multicolumn" in line)
+    return "\n".join([*lines[:first + 1], " ".join(spans), *lines[first + 1:]]) + "\n"
 
 
 def html_page(table: pd.DataFrame, title: str, figure: bytes | None, legend: str) -> str:
@@ -338,7 +349,7 @@ def table_text(p: Preset, results: Path, fmt: str = "markdown") -> str:
     runs = preset_runs(p, load_summaries(results), results)
     table = build(p.layout, runs, int(p.cfg.trainer.seed))
     figure = None
-    if fmt == "html":
+    if fmt == "html" and not runs.empty:
         figure = figure_png(lambda: plotting().draw(p.layout, runs, ("train_loss", "test_acc"), ()))
     return render(table, fmt, f"{p.layout.title} ({results})", figure)
 
