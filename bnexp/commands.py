@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from bnexp.errors import BnexpError, ConfigError
@@ -29,6 +30,14 @@ def split_options(args: Sequence[str], defaults: Mapping[str, object]) -> tuple[
         else:
             overrides.append(arg)
     return options, overrides
+
+
+def run_dir_argument(args: Sequence[str], usage: str) -> Path:
+    """The run directory a command's first argument names (bnexp's directory names hold
+    ``=``, so it is not taken for an option); a ConfigError with ``usage`` otherwise."""
+    if not args or not Path(args[0]).is_dir():
+        raise ConfigError(f"usage: {usage}{f' ({args[0]!r} is no directory)' if args else ''}")
+    return Path(args[0])
 
 
 def exit_on_error(body: Callable[[], None]) -> None:

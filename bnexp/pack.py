@@ -49,7 +49,7 @@ from bnexp.optim import build_optimizer, build_schedule, to_steps
 from bnexp.preemption import Preempted, PreemptionGuard
 from bnexp.runinfo import MetricsWriter, configure_backends, resolve_device, seed_everything, version_stamp, write_json
 from bnexp.speed import Accelerated
-from bnexp.trainer import CheckpointClock, TrainMeter, end_step, evaluate, record_eval, total_steps, train_step
+from bnexp.trainer import CheckpointClock, TrainMeter, checkpoint_or_stop, end_step, evaluate, record_eval, total_steps, train_step
 
 log = logging.getLogger("bnexp.pack")
 
@@ -405,17 +405,8 @@ def train_pack_steps(pack: Pack, loaders: list[Any]) -> None:
                              " ".join(f"{v:.4f}" for v in losses), lr)
             if state.step % eval_every == 0 or last:
                 pack.evaluate(lr)
-            if guard.agreed():
-                pack.save_periodic()
-                stop = Preempted(guard.signum)
-                for m in pack.members:
-                    if m.status == "running":
-                        m.summary.update(status=stop.status, steps=state.step, epochs=round(state.epoch, 4))
-                guard.forward()
-                raise stop
-            if not last and clock.due(state.step):
-                pack.save_periodic()
-                clock.saved()
+            running = [m.summary for m in pack.members if m.status == "running"]
+            checkpoint_or_stop(guard, clock, state, last, pack.save_periodic, running)
     bar.close()
     finish(pack, lr)
 

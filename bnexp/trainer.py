@@ -310,6 +310,22 @@ def end_step(state: TrainState, meter: TrainMeter, callbacks: list[Callback], lo
     return state.step == state.total_steps
 
 
+def checkpoint_or_stop(guard: PreemptionGuard, clock: CheckpointClock, state: TrainState, last: bool,
+                       save: Callable[[], None], summaries: list[dict[str, Any]]) -> None:
+    """After a step: on a signal, checkpoint (``save``), mark ``summaries`` with the stop's
+    status and raise :class:`Preempted`; otherwise a periodic checkpoint when ``clock`` says so."""
+    if guard.agreed():
+        save()
+        stop = Preempted(guard.signum)
+        for summary in summaries:
+            summary.update(status=stop.status, steps=state.step, epochs=round(state.epoch, 4))
+        guard.forward()
+        raise stop
+    if not last and clock.due(state.step):
+        save()
+        clock.saved()
+
+
 class CheckpointClock:
     """When a periodic checkpoint is due: every N steps or epochs, or once N minutes of wall
     time have passed since the last one (``unit="minute"``). Time is looked at every
@@ -417,15 +433,7 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
                              state.epoch, train_loss, train_acc, lr)
             if state.step % eval_every == 0 or last:
                 run.evaluate(loaders.test, bundle.spec.num_classes, lr)
-            if guard.agreed():
-                run.save_periodic()
-                stop = Preempted(guard.signum)
-                summary.update(status=stop.status, steps=state.step, epochs=round(state.epoch, 4))
-                guard.forward()
-                raise stop
-            if not last and clock.due(state.step):
-                run.save_periodic()
-                clock.saved()
+            checkpoint_or_stop(guard, clock, state, last, run.save_periodic, [summary])
     bar.close()
     if not run.metrics.rows:
         run.evaluate(loaders.test, bundle.spec.num_classes, lr)

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from bnexp import checkpoint
 from bnexp.bench.common import compose_train
-from bnexp.commands import exit_on_error, split_options
+from bnexp.commands import exit_on_error, run_dir_argument, split_options
 from bnexp.data import build_data
 from bnexp.errors import ConfigError, unknown_choice
 from bnexp.models import build_model
@@ -96,14 +96,13 @@ def evaluate_run(run_dir: Path, overrides: list[str], split: str = "test", devic
 def command(args: list[str]) -> None:
     """``bnexp eval RUN [data=...] [split=test] [device=auto] [batch=N]``."""
     def body() -> None:
-        if not args or not Path(args[0]).is_dir():
-            raise ConfigError("usage: bnexp eval RUN_DIR [data=NAME] [data.KEY=VALUE ...] [split=test|train] "
-                              f"[device=auto] [batch=N]{'' if not args else f' ({args[0]!r} is no directory)'}")
+        run_dir = run_dir_argument(args, "bnexp eval RUN_DIR [data=NAME] [data.KEY=VALUE ...] [split=test|train] "
+                                         "[device=auto] [batch=N]")
         options, overrides = split_options(args[1:], OPTIONS)
         opts = {**OPTIONS, **options}
         if not opts["batch"].isdigit():
             raise ConfigError(f"batch={opts['batch']!r} is not valid: use a whole number (0: the data config's)")
-        entry = evaluate_run(Path(args[0]), overrides, opts["split"], opts["device"], int(opts["batch"]))
+        entry = evaluate_run(run_dir, overrides, opts["split"], opts["device"], int(opts["batch"]))
         top5 = f", top-5 {entry['test_top5']:.2f}%" if "test_top5" in entry else ""
         print(f"{args[0]}: {entry['data']}/{entry['split']}, {entry['images']} images: loss {entry['test_loss']:.4f}, "
               f"top-1 {entry['test_acc']:.2f}%{top5} (written to {Path(args[0]) / EVAL_FILE})")

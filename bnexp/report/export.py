@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from bnexp import checkpoint
-from bnexp.commands import exit_on_error, split_options
+from bnexp.commands import exit_on_error, run_dir_argument, split_options
 from bnexp.errors import ConfigError, unknown_choice
 from bnexp.models import DataSpec, build_model
 from bnexp.runinfo import version_stamp
@@ -132,12 +132,10 @@ def export(run_dir: Path, fmt: str = "", out: str = "") -> Path:
 def command(args: list[str]) -> None:
     """``bnexp export RUN [format=torchvision|safetensors] [out=FILE]``."""
     def body() -> None:
-        if not args or not Path(args[0]).is_dir():
-            raise ConfigError("usage: bnexp export RUN_DIR [format=torchvision|safetensors] [out=FILE]"
-                              f"{'' if not args else f' ({args[0]!r} is no directory)'}")
+        run_dir = run_dir_argument(args, "bnexp export RUN_DIR [format=torchvision|safetensors] [out=FILE]")
         options, extra = split_options(args[1:], {"format": "", "out": ""})
         if extra:
             raise ConfigError(f"unknown option {extra[0].partition('=')[0]!r}; options: format, out")
-        print(export(Path(args[0]), options.get("format", ""), options.get("out", "")))
+        print(export(run_dir, options.get("format", ""), options.get("out", "")))
 
     exit_on_error(body)
