@@ -107,20 +107,20 @@ def train_job(cfg: DictConfig) -> float:
 def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[str, Any]]]) -> list[Any]:
     """Run ``work`` (the (status, value) of each of ``run_dirs``), recording each outcome in
     the sweep's ledger; returns the values (:func:`result_value`), NaN for a run that failed."""
-    from bnexp.sweep import job_status, record
+    from bnexp.sweep import record
 
     where = ", ".join(str(d) for d in run_dirs)
     try:
         outcomes = work()
     except Preempted as err:
         for run_dir in run_dirs:  # a run of a pack may have diverged before the signal
-            diverged = (run_dir / "summary.json").is_file() and job_status(run_dir)[0] == "diverged"
+            diverged = stored_summary(run_dir).get("status") == "diverged"
             record(run_dir, "diverged" if diverged else err.status, str(err))
         report_error(f"{err}; re-run the same command to resume {where}")
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         for run_dir in run_dirs:
-            diverged = (run_dir / "summary.json").is_file() and job_status(run_dir)[0] == "diverged"
+            diverged = stored_summary(run_dir).get("status") == "diverged"
             record(run_dir, "diverged" if diverged else "interrupted", "stopped by Ctrl-C")
         report_error(f"stopped by Ctrl-C; re-run the same command to resume {where}")
         sys.exit(EXIT_INTERRUPTED)

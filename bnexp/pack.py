@@ -49,7 +49,18 @@ from bnexp.optim import build_optimizer, build_schedule, to_steps
 from bnexp.preemption import Preempted, PreemptionGuard
 from bnexp.runinfo import MetricsWriter, configure_backends, resolve_device, seed_everything, version_stamp, write_json
 from bnexp.speed import Accelerated
-from bnexp.trainer import CheckpointClock, TrainMeter, checkpoint_or_stop, end_step, evaluate, record_eval, total_steps, train_step
+from bnexp.trainer import (
+    CheckpointClock,
+    TrainMeter,
+    callback_key,
+    checkpoint_or_stop,
+    end_step,
+    eval_row,
+    evaluate,
+    record_eval,
+    total_steps,
+    train_step,
+)
 
 log = logging.getLogger("bnexp.pack")
 
@@ -207,7 +218,7 @@ class Pack:
         out = []
         for m in self.members:
             callbacks = [state[m.index] for state in shared] + [m.weights_log.state_dict()]
-            names = [f"{i}:{type(cb).__name__}" for i, cb in enumerate(self.run_callbacks(m))]
+            names = [callback_key(i, cb) for i, cb in enumerate(self.run_callbacks(m))]
             out.append({
                 "model": models[m.index], "optimizer": optimizers[m.index], "scheduler": s.scheduler.state_dict(),
                 "step": s.step, "scaler": self.net.scaler.state_dict(), "rng": [m.rng],
@@ -225,14 +236,13 @@ class Pack:
         s.step = payloads[0]["step"]
         self.meter.load(torch.cat([p["meter"].view(1, 3) for p in payloads]))
         for i, cb in enumerate(self.shared):
-            key = f"{i}:{type(cb).__name__}"
-            cb.load_state_dict(pack_state([p["callbacks"].get(key, {}) for p in payloads]))
+            cb.load_state_dict(pack_state([p["callbacks"].get(callback_key(i, cb), {}) for p in payloads]))
         for m, p in zip(self.members, payloads):
             m.rng = p["rng"][0]
             m.metrics.restore(p["metrics"])
             for row in p["metrics"]:
                 record_eval(m.summary, row)
-            m.weights_log.load_state_dict(p["callbacks"].get(f"{len(self.shared)}:WeightNormLog", {}))
+            m.weights_log.load_state_dict(p["callbacks"].get(callback_key(len(self.shared), m.weights_log), {}))
         self.elapsed_before = payloads[0]["seconds"]
         self.started = time.perf_counter()
 
@@ -264,7 +274,7 @@ class Pack:
 
     def save_periodic(self) -> None:
         """Every live run's periodic checkpoint (a failure is logged, training goes on)."""
-        for m, payload in zip(self.members, self.payloads()):
+        for m, payload in zip(self.members, self.payloads()):  # diverged runs keep their last ones
             if m.status == "running" and save(m, payload, checkpoint.periodic_path(m.run_dir, self.state.step)):
                 checkpoint.prune(m.run_dir, int(m.cfg.trainer.keep_checkpoints))
 
@@ -276,11 +286,10 @@ class Pack:
             self.meter.reset()
         s = self.state
         tests = evaluate(self.net, self.test, s.device, self.num_classes, self.runs)
-        for m, (train_loss, train_acc), test in zip(self.members, train, tests):
+        for m, run_train, test in zip(self.members, train, tests):
             if m is not only and (only is not None or m.status != "running"):
                 continue
-            row = {"step": s.step, "epoch": round(s.epoch, 4), "lr": lr, "train_loss": train_loss,
-                   "train_acc": train_acc, **test, "seconds": round(self.seconds(), 3)}
+            row = eval_row(s, lr, run_train, test, self.seconds())
             m.metrics.write(row)
             record_eval(m.summary, row)
             m.weights_log.on_eval(s, row)

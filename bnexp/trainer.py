@@ -145,6 +145,18 @@ def record_eval(summary: dict[str, Any], row: dict[str, Any]) -> None:
         summary["best_top5"] = max(summary.get("best_top5", -math.inf), row["test_top5"])
 
 
+def callback_key(index: int, cb: Callback) -> str:
+    """Where a checkpoint keeps the state of the ``index``-th callback of a run."""
+    return f"{index}:{type(cb).__name__}"
+
+
+def eval_row(state: TrainState, lr: float, train: tuple[float, float], test: dict[str, float],
+             seconds: float) -> dict[str, Any]:
+    """One metrics.csv row: where training is, the training sums since the last row, the test metrics."""
+    return {"step": state.step, "epoch": round(state.epoch, 4), "lr": lr, "train_loss": train[0],
+            "train_acc": train[1], **test, "seconds": round(seconds, 3)}
+
+
 class Run:
     """The mutable pieces of one run that a checkpoint must capture besides the model."""
 
@@ -173,7 +185,7 @@ class Run:
             "rng": gather_objects(checkpoint.capture_rng()),  # one entry per process
             "meter": self.meter.state().cpu(),
             "metrics": self.metrics.rows,
-            "callbacks": {f"{i}:{type(cb).__name__}": cb.state_dict() for i, cb in enumerate(self.callbacks)},
+            "callbacks": {callback_key(i, cb): cb.state_dict() for i, cb in enumerate(self.callbacks)},
             "seconds": self.seconds(),
             "config": OmegaConf.to_container(s.cfg, resolve=True),
         }
@@ -192,7 +204,7 @@ class Run:
         for row in payload["metrics"]:
             record_eval(self.summary, row)
         for i, cb in enumerate(self.callbacks):
-            cb.load_state_dict(payload["callbacks"].get(f"{i}:{type(cb).__name__}", {}))
+            cb.load_state_dict(payload["callbacks"].get(callback_key(i, cb), {}))
         self.elapsed_before = payload["seconds"]
         self.started = time.perf_counter()
 
@@ -248,12 +260,10 @@ class Run:
         return True
 
     def evaluate(self, loader: DataLoader, num_classes: int, lr: float) -> None:
-        train_loss, train_acc = self.meter.read()
+        train = self.meter.read()
         self.meter.reset()
         s = self.state
-        row = {"step": s.step, "epoch": round(s.epoch, 4), "lr": lr, "train_loss": train_loss,
-               "train_acc": train_acc, **evaluate(self.net, loader, s.device, num_classes)[0],
-               "seconds": round(self.seconds(), 3)}
+        row = eval_row(s, lr, train, evaluate(self.net, loader, s.device, num_classes)[0], self.seconds())
         self.metrics.write(row)
         record_eval(self.summary, row)
         for cb in self.callbacks:
