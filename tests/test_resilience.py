@@ -58,10 +58,13 @@ def cli_command(run_dir: Path, steps: int) -> list[str]:
 
 
 def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, min_step: int, timeout: float = 120) -> None:
+    """Wait until a complete periodic checkpoint at ``min_step`` or later exists: the file and
+    its digest, which is written after it (a kill between the two leaves a damaged checkpoint
+    that resume skips, so a run killed at its first checkpoint would start over)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         paths = checkpoint.periodic_checkpoints(run_dir)
-        if paths and int(paths[0].stem.split("-")[1]) >= min_step:
+        if paths and int(paths[0].stem.split("-")[1]) >= min_step and checkpoint.checksum_path(paths[0]).exists():
             return
         time.sleep(0.005)
     raise AssertionError(f"no checkpoint at step >= {min_step} appeared (exit code {proc.poll()})")
