@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BNEXP := $(VENV)/bin/bnexp
 STAMP := $(VENV)/.bnexp-installed
 
-.PHONY: install test lint demo clean wheels install-offline gpu-check
+.PHONY: install test lint tex demo clean wheels install-offline gpu-check
 
 install: $(STAMP)
 
@@ -21,6 +21,15 @@ test: install
 # ruff, configured in pyproject.toml ([tool.ruff]); CI runs it before the tests.
 lint: install
 	$(PY) -m ruff check .
+
+# pdflatex with booktabs, for the test that compiles `bnexp table format=latex` (it is
+# skipped where they are missing). Debian or Ubuntu, as root; CI runs it before the tests.
+TEX_PACKAGES := texlive-latex-base texlive-latex-recommended
+
+tex:
+	@if kpsewhich booktabs.sty >/dev/null 2>&1; then echo "pdflatex and booktabs are installed"; else \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			$(TEX_PACKAGES) >/dev/null && kpsewhich booktabs.sty; fi
 
 # The main job, briefly. Exit code 3 means CIFAR-10 is not on disk and cannot be
 # downloaded; only then does the demo fall back to real digits (scikit-learn's bundled

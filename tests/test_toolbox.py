@@ -429,14 +429,29 @@ def test_completion_install_without_train_and_a_missing_sweeper(capsys, monkeypa
     assert code == 2 and "pip install 'bnexp[optuna]'" in out
 
 
-@pytest.mark.skipif(shutil.which("pdflatex") is None, reason="no pdflatex here (CI has no TeX)")
-def test_latex_export_compiles_with_pdflatex(tmp_path: Path) -> None:
+def tex_with_booktabs() -> bool:
+    """pdflatex and booktabs.sty are installed (``make tex``; CI installs them)."""
+    return shutil.which("pdflatex") is not None and shutil.which("kpsewhich") is not None and \
+        subprocess.run(["kpsewhich", "booktabs.sty"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not tex_with_booktabs(), reason="no pdflatex with booktabs here: `make tex` installs them")
+def test_latex_export_compiles_with_pdflatex(tmp_path: Path, capsys) -> None:
+    """Every preset's table (no runs yet: the paper's numbers and the missing cells) and one
+    with every symbol the cells hold compile without a LaTeX error."""
     import pandas as pd
 
+    from bnexp.report.presets import preset_names
     from bnexp.report.table import LEGEND, latex
 
-    body = latex(pd.DataFrame(PRESET_LIKE), f"CBN Table 1. {LEGEND}.")
+    tables = [latex(pd.DataFrame(PRESET_LIKE), f"CBN Table 1. {LEGEND}.")]
+    for name in preset_names():
+        code, out = run_cli(["table", name, f"results={tmp_path / 'none'}", "format=latex"], capsys)
+        assert code == 0 and out.startswith("\\begin{table}"), name
+        tables.append(out)
     (tmp_path / "t.tex").write_text("\\documentclass{article}\\usepackage{booktabs}\\begin{document}\n"
-                                    f"{body}\\end{{document}}\n")
-    done = subprocess.run(["pdflatex", "-interaction=nonstopmode", "t.tex"], cwd=tmp_path, capture_output=True)
-    assert done.returncode == 0 and (tmp_path / "t.pdf").is_file()
+                                    + "\\clearpage\n".join(tables) + "\\end{document}\n")
+    done = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "t.tex"], cwd=tmp_path,
+                          capture_output=True, text=True)
+    errors = [line for line in done.stdout.splitlines() if line.startswith("!")]
+    assert done.returncode == 0 and not errors and (tmp_path / "t.pdf").is_file(), errors or done.stdout[-2000:]
