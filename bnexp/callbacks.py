@@ -8,9 +8,11 @@ nothing.
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -20,6 +22,8 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
 from bnexp.distributed import Dist
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,7 +71,8 @@ class Callback:
         """After an evaluation; ``row`` is the metrics.csv row just written."""
 
     def on_train_end(self, state: TrainState, status: str) -> None:
-        """Once, with the final status (completed, diverged or failed)."""
+        """Once, with the final status: completed or diverged, or, when training stops early
+        (:func:`ended_on_stop`), preempted, interrupted or failed."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must hold for the callback to resume exactly."""
@@ -76,3 +81,27 @@ class Callback:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
 
+
+def stop_status(err: BaseException) -> str:
+    """The status a run stopped by ``err`` ends with: a signal's (``preempted``,
+    ``interrupted``, set by :class:`bnexp.preemption.Preempted`), Ctrl-C's, or ``failed``."""
+    return getattr(err, "status", "interrupted" if isinstance(err, KeyboardInterrupt) else "failed")
+
+
+@contextmanager
+def ended_on_stop(callbacks: list[Callback], state: TrainState) -> Iterator[None]:
+    """Training inside: when it stops on an exception (a signal, Ctrl-C, an error), every
+    callback's ``on_train_end`` runs with :func:`stop_status` before the exception goes on,
+    so a tracker closes its run as preempted or failed. A callback that fails to end is
+    logged, never allowed to hide the exception that stopped the run."""
+    try:
+        yield
+    except BaseException as err:
+        status = stop_status(err)
+        for cb in callbacks:
+            try:
+                cb.on_train_end(state, status)
+            except Exception as end_err:
+                log.warning("%s could not end the run as %s (%s: %s)", type(cb).__name__, status,
+                            type(end_err).__name__, end_err)
+        raise

@@ -19,6 +19,9 @@ a missing one is a ConfigError naming it.
   (``bnexp_summary.json``, ``config.json``).
 - ``wandb``: Weights & Biases, ``logger.project`` (``WANDB_MODE=offline`` keeps everything
   in ``<run dir>/wandb`` for a later ``wandb sync``).
+
+A stopped run (a signal, Ctrl-C, an error) closes its tracker run with its status, and a
+resumed run continues the tracker run its checkpoint names (:class:`Tracker`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import csv
 import fcntl
 import importlib
+import logging
 import math
 import os
 import time
@@ -37,10 +41,14 @@ from omegaconf import DictConfig, OmegaConf
 from bnexp.callbacks import Callback, TrainState
 from bnexp.errors import ConfigError
 from bnexp.identity import flatten
+from bnexp.preemption import STOP_EXIT_CODES
+
+log = logging.getLogger(__name__)
 
 NOT_SCALARS = ("step", "epoch")
 SUMMARY_KEYS = ("status", "final_top1", "best_top1", "final_top5", "best_top5", "final_test_loss", "final_train_loss",
                 "steps", "params")
+MLFLOW_STATUS = {"completed": "FINISHED", "preempted": "KILLED", "interrupted": "KILLED"}  # else FAILED
 
 
 def scalars(row: Mapping[str, Any], prefix: str) -> dict[str, float]:
@@ -83,7 +91,12 @@ class SideFiles:
 
 
 class Tracker(Callback):
-    """What every tracker does; subclasses open, log and close in their own API."""
+    """What every tracker does; subclasses open, log and close in their own API.
+
+    The tracker's run opens at the first step, after a checkpoint (if any) was restored: a
+    resumed run continues the tracker run its checkpoint names (``run_id``), and the side
+    files' rows sent before the checkpoint are not sent again. A run that stops (a signal,
+    Ctrl-C, an error) closes its tracker run with that status."""
 
     module = ""  # the package it needs
     extra = ""  # bnexp's extra that installs it
@@ -92,41 +105,61 @@ class Tracker(Callback):
         self.settings = dict(settings)
         self.opened = False
         self.side: SideFiles | None = None
+        self.run_id: str | None = None  # the tracker's own id of its run, once opened or restored
 
     def on_train_start(self, state: TrainState) -> None:
-        """Check the package is there (every rank, so all stop alike); rank 0 opens the run."""
+        """Check the package is there (every rank, so all stop alike); rank 0 will log."""
         try:
             importlib.import_module(self.module)
         except ImportError as err:
             raise ConfigError(f"logger={self.settings.get('name')} needs the {self.module} package, which is not "
                               f"installed: pip install 'bnexp[{self.extra}]'") from err
-        if not state.dist.is_main:
+        if state.dist.is_main:
+            self.side = SideFiles(Path(state.run_dir))
+
+    def before_step(self, state: TrainState) -> None:
+        if self.side is None or self.opened:
             return
         run_dir = Path(state.run_dir)
-        self.side = SideFiles(run_dir)
         config = OmegaConf.to_container(state.cfg, resolve=True)
-        self.open(run_dir, run_dir.name, run_dir.parent.name, config)
+        self.run_id = self.open(run_dir, run_dir.name, run_dir.parent.name, config, self.run_id, state.step)
         self.opened = True
 
     def on_eval(self, state: TrainState, row: dict[str, Any]) -> None:
-        if not self.opened:
-            return
-        assert self.side is not None
-        for step, values in sorted(self.side.new().items()):
-            self.log(values, step)
-        self.log(scalars(row, "metrics"), int(row["step"]))
+        if self.opened:
+            self.log_side_files()
+            self.log(scalars(row, "metrics"), int(row["step"]))
 
     def on_train_end(self, state: TrainState, status: str) -> None:
         if not self.opened:
             return
-        assert self.side is not None
-        for step, values in sorted(self.side.new().items()):
-            self.log(values, step)
+        self.log_side_files()
         summary = {k: state.summary[k] for k in SUMMARY_KEYS if k in state.summary} | {"status": status}
         self.close(summary, status)
         self.opened = False
 
-    def open(self, run_dir: Path, name: str, group: str, config: dict[str, Any]) -> None:
+    def log_side_files(self) -> None:
+        assert self.side is not None
+        for step, values in sorted(self.side.new().items()):
+            self.log(values, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """For a checkpoint: the side files' rows so far go to the tracker first, so a run
+        resumed from this checkpoint sends none of them again."""
+        if self.side is None:
+            return {}
+        if self.opened:
+            self.log_side_files()
+        return {"run_id": self.run_id, "seen": dict(self.side.seen)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.side is not None and state:
+            self.run_id = state["run_id"]
+            self.side.seen.update(state["seen"])
+
+    def open(self, run_dir: Path, name: str, group: str, config: dict[str, Any], resume_id: str | None,
+             step: int) -> str | None:
+        """Start the tracker's run, or continue run ``resume_id`` from ``step``; its id."""
         raise NotImplementedError
 
     def log(self, values: Mapping[str, float], step: int) -> None:
@@ -144,11 +177,15 @@ def hparam(value: Any) -> Any:
 class TensorBoardLogger(Tracker):
     module, extra = "tensorboard", "tensorboard"
 
-    def open(self, run_dir: Path, name: str, group: str, config: dict[str, Any]) -> None:
+    def open(self, run_dir: Path, name: str, group: str, config: dict[str, Any], resume_id: str | None,
+             step: int) -> str | None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.config = {k: hparam(v) for k, v in flatten(config).items()}
-        self.writer = SummaryWriter(log_dir=str(Path(self.settings.get("dir") or run_dir / "tensorboard")))
+        folder = str(Path(self.settings.get("dir") or run_dir / "tensorboard"))
+        # Resumed: TensorBoard hides the events a killed process wrote after the checkpoint.
+        self.writer = SummaryWriter(log_dir=folder, purge_step=step + 1 if step else None)
+        return None
 
     def log(self, values: Mapping[str, float], step: int) -> None:
         for key, value in values.items():
@@ -164,7 +201,8 @@ class TensorBoardLogger(Tracker):
 class MLflowLogger(Tracker):
     module, extra = "mlflow", "mlflow"
 
-    def open(self, run_dir: Path, name: str, group: str, config: dict[str, Any]) -> None:
+    def open(self, run_dir: Path, name: str, group: str, config: dict[str, Any], resume_id: str | None,
+             step: int) -> str | None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -184,11 +222,27 @@ class MLflowLogger(Tracker):
                 experiment_id = self.client.create_experiment(experiment_name, artifact_location=artifacts)
             else:
                 experiment_id = experiment.experiment_id
-        self.run_id = self.client.create_run(experiment_id, run_name=name, tags={"run_dir": str(run_dir)}).info.run_id
+        if resume_id is not None and self.known(resume_id):  # its parameters and config are logged already
+            self.client.update_run(resume_id, status="RUNNING")
+            return resume_id
+        run_id = self.client.create_run(experiment_id, run_name=name, tags={"run_dir": str(run_dir)}).info.run_id
         params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]
         for start in range(0, len(params), 100):  # MLflow takes 100 parameters per batch
-            self.client.log_batch(self.run_id, params=params[start:start + 100])
-        self.client.log_dict(self.run_id, config, "config.json")
+            self.client.log_batch(run_id, params=params[start:start + 100])
+        self.client.log_dict(run_id, config, "config.json")
+        return run_id
+
+    def known(self, run_id: str) -> bool:
+        """Whether the store holds run ``run_id`` (a resumed run's store may be another one)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException:
+            log.warning("MLflow run %s, named in the checkpoint, is not in %s: starting a new MLflow run", run_id,
+                        self.client.tracking_uri)
+            return False
+        return True
 
     def log(self, values: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -201,24 +255,29 @@ class MLflowLogger(Tracker):
     def close(self, summary: Mapping[str, Any], status: str) -> None:
         self.client.log_dict(self.run_id, dict(summary), "bnexp_summary.json")  # not summary.json: tables read those
         self.client.set_tag(self.run_id, "status", status)
-        self.client.set_terminated(self.run_id, "FINISHED" if status == "completed" else "FAILED")
+        self.client.set_terminated(self.run_id, MLFLOW_STATUS.get(status, "FAILED"))
 
 
 class WandbLogger(Tracker):
     module, extra = "wandb", "wandb"
 
-    def open(self, run_dir: Path, name: str, group: str, config: dict[str, Any]) -> None:
+    def open(self, run_dir: Path, name: str, group: str, config: dict[str, Any], resume_id: str | None,
+             step: int) -> str | None:
         import wandb
 
         self.run = wandb.init(project=self.settings.get("project") or "bnexp", entity=self.settings.get("entity"),
-                              group=group, name=name, dir=str(run_dir), config=config, reinit="create_new")
+                              group=group, name=name, dir=str(run_dir), config=config, reinit="create_new",
+                              id=resume_id, resume="allow" if resume_id else None, allow_val_change=bool(resume_id))
+        return self.run.id
 
     def log(self, values: Mapping[str, float], step: int) -> None:
         self.run.log(dict(values), step=step)
 
     def close(self, summary: Mapping[str, Any], status: str) -> None:
         self.run.summary.update(dict(summary))
-        self.run.finish(exit_code=0 if status == "completed" else 1)
+        if status == "preempted":
+            self.run.mark_preempting()
+        self.run.finish(exit_code=0 if status == "completed" else STOP_EXIT_CODES.get(status, 1))
 
 
 TRACKERS = {"tensorboard": TensorBoardLogger, "mlflow": MLflowLogger, "wandb": WandbLogger}

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from bnexp import checkpoint, distributed
-from bnexp.callbacks import Callback, TrainState
+from bnexp.callbacks import Callback, TrainState, ended_on_stop
 from bnexp.config import RESUME_MODES, validate
 from bnexp.data import build_data
 from bnexp.data.loaders import build_loaders, drop_last
@@ -414,45 +414,46 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
                    loader=loaders.kind, world_size=d.world_size, num_classes=bundle.spec.num_classes)
     for cb in run.callbacks:
         cb.on_train_start(state)
-    run.resume(str(cfg.trainer.resume))
-    eval_every = max(1, to_steps(cfg.trainer.eval_every, cfg.trainer.eval_unit, state.steps_per_epoch))
-    log_every = int(cfg.trainer.log_every)
-    clock = CheckpointClock(cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_unit, state.steps_per_epoch, log_every)
+    with ended_on_stop(run.callbacks, state):  # trackers close as preempted or failed on a stop
+        run.resume(str(cfg.trainer.resume))
+        eval_every = max(1, to_steps(cfg.trainer.eval_every, cfg.trainer.eval_unit, state.steps_per_epoch))
+        log_every = int(cfg.trainer.log_every)
+        clock = CheckpointClock(cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_unit, state.steps_per_epoch, log_every)
 
-    model.train()
-    stream = loaders.epochs_from(state.step)
-    bar = tqdm(total=state.total_steps, initial=state.step, desc="train", disable=not sys.stderr.isatty(),
-               dynamic_ncols=True)
-    lr, status = state.lr, "completed"
-    with PreemptionGuard() as guard:
-        while state.step < state.total_steps:
-            x, y = next(stream)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            lr = state.lr
-            logits, loss = train_step(net, optimizer, run.callbacks, state, x, y)
-            last = end_step(state, run.meter, run.callbacks, loss, logits, y, bar)
-            if state.step % log_every == 0 or state.step % eval_every == 0 or last:
-                train_loss, train_acc = run.meter.read()
-                if not math.isfinite(train_loss):
-                    status = "diverged"
-                    log.warning("non-finite training loss at step %d: stopping (status diverged)", state.step)
-                    break
-                bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.4g}")
-                if bar.disable and state.step % log_every == 0:
-                    log.info("step %d/%d epoch %.2f loss %.4f acc %.2f%% lr %.4g", state.step, state.total_steps,
-                             state.epoch, train_loss, train_acc, lr)
-            if state.step % eval_every == 0 or last:
-                run.evaluate(loaders.test, bundle.spec.num_classes, lr)
-            checkpoint_or_stop(guard, clock, state, last, run.save_periodic, [summary])
-    bar.close()
-    if not run.metrics.rows:
-        run.evaluate(loaders.test, bundle.spec.num_classes, lr)
-    summary.update(status=status, steps=state.step, epochs=round(state.epoch, 4))
-    if status == "completed":
-        payload = run.payload()
-        then = "the run's metrics and summary stand (status completed); any periodic checkpoints are kept"
-        if d.is_main and run.save(payload, run_dir / checkpoint.FINAL, then):
-            checkpoint.prune(run_dir, 0)
+        model.train()
+        stream = loaders.epochs_from(state.step)
+        bar = tqdm(total=state.total_steps, initial=state.step, desc="train", disable=not sys.stderr.isatty(),
+                   dynamic_ncols=True)
+        lr, status = state.lr, "completed"
+        with PreemptionGuard() as guard:
+            while state.step < state.total_steps:
+                x, y = next(stream)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                lr = state.lr
+                logits, loss = train_step(net, optimizer, run.callbacks, state, x, y)
+                last = end_step(state, run.meter, run.callbacks, loss, logits, y, bar)
+                if state.step % log_every == 0 or state.step % eval_every == 0 or last:
+                    train_loss, train_acc = run.meter.read()
+                    if not math.isfinite(train_loss):
+                        status = "diverged"
+                        log.warning("non-finite training loss at step %d: stopping (status diverged)", state.step)
+                        break
+                    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.4g}")
+                    if bar.disable and state.step % log_every == 0:
+                        log.info("step %d/%d epoch %.2f loss %.4f acc %.2f%% lr %.4g", state.step, state.total_steps,
+                                 state.epoch, train_loss, train_acc, lr)
+                if state.step % eval_every == 0 or last:
+                    run.evaluate(loaders.test, bundle.spec.num_classes, lr)
+                checkpoint_or_stop(guard, clock, state, last, run.save_periodic, [summary])
+        bar.close()
+        if not run.metrics.rows:
+            run.evaluate(loaders.test, bundle.spec.num_classes, lr)
+        summary.update(status=status, steps=state.step, epochs=round(state.epoch, 4))
+        if status == "completed":
+            payload = run.payload()
+            then = "the run's metrics and summary stand (status completed); any periodic checkpoints are kept"
+            if d.is_main and run.save(payload, run_dir / checkpoint.FINAL, then):
+                checkpoint.prune(run_dir, 0)
     for cb in run.callbacks:
         cb.on_train_end(state, status)
 

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,13 @@ import pytest
 
 import bnexp
 from bnexp.app import result_value
+from bnexp.callbacks import Callback, TrainState, stop_status
 from bnexp.cli import COMMANDS, main
-from tests.conftest import TINY, compose_cfg, run_cli
+from bnexp.errors import EXIT_PREEMPTED
+from bnexp.preemption import Preempted
+from bnexp.trainer import train
+from tests.conftest import TINY, compose_cfg, read_summary, run_cli
+from tests.test_resilience import CrashAt
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -352,13 +358,14 @@ def test_mlflow_logs_into_its_sqlite_store(tmp_path: Path, capsys) -> None:
         assert {a.path for a in client.list_artifacts(r.info.run_id)} == {"config.json", "bnexp_summary.json"}
 
 
-def wandb_records(run_dir: Path) -> list:
-    """The records of an offline W&B run's .wandb file (W&B's leveldb-style log format)."""
+def wandb_records(run_dir: Path, session: int = 0) -> list:
+    """The records of an offline W&B run's .wandb file (W&B's leveldb-style log format);
+    ``session``: which process's file, in the order they were written (a resumed run has two)."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    path = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))[session]
     data, pos, block, records, chunk = path.read_bytes(), 7, 32768, [], b""
     while pos + 7 <= len(data):
         left = block - pos % block
@@ -392,6 +399,102 @@ def test_wandb_logs_offline(tmp_path: Path, capsys, monkeypatch) -> None:
     summary = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for r in records
                if r.WhichOneof("record_type") == "summary" for i in r.summary.update}
     assert summary["status"] == "completed" and summary["final_top1"] == final
+
+
+class SignalAt(Callback):
+    """Send this process ``signum`` after a given step, as a cluster's scheduler would."""
+
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
+
+    def after_step(self, state: TrainState) -> None:
+        if state.step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+# Checkpoints at steps 2, 4, ...; evaluations at 4, 8, 12; grad_norm rows at steps 0..11.
+RESUMABLE = [*TRACKED, "trainer.eval_every=4", "trainer.checkpoint_every=2", "trainer.checkpoint_unit=step",
+             "trainer.max_steps=12"]
+
+
+def mlflow_history(uri: str, experiment: str) -> tuple[list, list[int], list[int]]:
+    """The runs of an MLflow experiment, and the steps of the only run's test accuracy and of
+    one of its probes' quantities."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    probe = next(k for k in runs[0].data.metrics if k.startswith("probes/grad_norm/"))
+    return runs, *[[m.step for m in client.get_metric_history(runs[0].info.run_id, k)] for k in ("metrics/test_acc",
+                                                                                                  probe)]
+
+
+def test_preempted_run_closes_and_resumes_its_tracker_run(tmp_path: Path, monkeypatch) -> None:
+    """SIGTERM: the MLflow run ends KILLED and the W&B run with exit code 75; the re-run
+    continues the same tracker run, and no row is sent twice."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for logger in ("mlflow", "wandb"):
+        cfg = compose_cfg([*RESUMABLE, f"logger={logger}", f"logger.tracking_uri={uri}" if logger == "mlflow" else
+                           "logger.project=bnexp"])
+        run = tmp_path / "sweep" / logger
+        with pytest.raises(Preempted):
+            train(cfg, run, [SignalAt(6, signal.SIGTERM)])
+        if logger == "mlflow":
+            runs, accuracy, probe = mlflow_history(uri, "sweep")
+            assert [(r.info.status, r.data.tags["status"]) for r in runs] == [("KILLED", "preempted")]
+            assert accuracy == [4] and probe == list(range(6))  # every row up to the checkpoint at step 6
+        train(cfg, run)
+        assert read_summary(run)["resumed_from"].endswith("step-000000006.pt")
+    runs, accuracy, probe = mlflow_history(uri, "sweep")
+    assert [r.info.status for r in runs] == ["FINISHED"] and accuracy == [4, 8, 12] and probe == list(range(12))
+    first, second = wandb_records(tmp_path / "sweep" / "wandb", 0), wandb_records(tmp_path / "sweep" / "wandb", 1)
+    ids = [[r.run.run_id for r in records if r.WhichOneof("record_type") == "run"] for records in (first, second)]
+    assert ids[0] == ids[1] and len(ids[0]) == 1
+    assert [r.exit.exit_code for r in first if r.WhichOneof("record_type") == "exit"] == [EXIT_PREEMPTED]
+    steps = [[r.history.step.num for r in records if r.WhichOneof("record_type") == "history"]
+             for records in (first, second)]
+    assert steps[0] == list(range(6)) and steps[1] == list(range(6, 13))
+
+
+def test_crashed_run_fails_its_tracker_run_and_resume_continues_it(tmp_path: Path) -> None:
+    """An error at step 6 (checkpoint at 4): the MLflow run ends FAILED; the re-run continues
+    it. The rows computed after the checkpoint were sent before the crash and are sent again
+    (MLflow keeps both; TensorBoard hides the first copies from step 5 on)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for logger in ("mlflow", "tensorboard"):
+        cfg = compose_cfg([*RESUMABLE, f"logger={logger}", *([f"logger.tracking_uri={uri}"] * (logger == "mlflow"))])
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            train(cfg, tmp_path / "sweep" / logger, [CrashAt(6)])
+        if logger == "mlflow":
+            runs, _, probe = mlflow_history(uri, "sweep")
+            assert [(r.info.status, r.data.tags["status"]) for r in runs] == [("FAILED", "failed")]
+        train(cfg, tmp_path / "sweep" / logger)
+    runs, accuracy, probe = mlflow_history(uri, "sweep")
+    assert [r.info.status for r in runs] == ["FINISHED"] and accuracy == [4, 8, 12]
+    assert probe == [*range(6), *range(4, 12)]  # rows 4 and 5: computed after the checkpoint, before the crash
+    events = EventAccumulator(str(tmp_path / "sweep" / "tensorboard" / "tensorboard"))
+    events.Reload()
+    probe_tag = next(t for t in events.Tags()["scalars"] if t.startswith("probes/grad_norm/"))
+    assert [e.step for e in events.Scalars("metrics/test_acc")] == [4, 8, 12]
+    assert [e.step for e in events.Scalars(probe_tag)] == [*range(5), *range(4, 12)]
+
+
+def test_mlflow_resume_of_a_run_the_store_lacks_starts_a_new_one(tmp_path: Path, caplog) -> None:
+    from bnexp.loggers import MLflowLogger
+
+    tracker = MLflowLogger({"name": "mlflow", "tracking_uri": f"sqlite:///{tmp_path / 'other.db'}"})
+    run_id = tracker.open(tmp_path / "run", "run", "sweep", {"optim": {"lr": 0.1}}, "0123abcd", 4)
+    assert run_id != "0123abcd" and tracker.client.get_run(run_id).data.params == {"optim.lr": "0.1"}
+    assert "MLflow run 0123abcd, named in the checkpoint, is not in" in caplog.text
+
+
+def test_stop_status_names_how_the_run_stopped() -> None:
+    assert [stop_status(e) for e in (Preempted(signal.SIGTERM), Preempted(signal.SIGINT), KeyboardInterrupt(),
+                                      RuntimeError("x"))] == ["preempted", "interrupted", "interrupted", "failed"]
 
 
 def test_a_missing_tracker_names_its_extra(tmp_path: Path, capsys, monkeypatch) -> None:
