@@ -27,7 +27,8 @@ lint: install
 TEX_PACKAGES := texlive-latex-base texlive-latex-recommended
 
 tex:
-	@if kpsewhich booktabs.sty >/dev/null 2>&1; then echo "pdflatex and booktabs are installed"; else \
+	@if command -v pdflatex >/dev/null && kpsewhich booktabs.sty >/dev/null 2>&1; then \
+		echo "pdflatex and booktabs are installed"; else \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 			$(TEX_PACKAGES) >/dev/null && kpsewhich booktabs.sty; fi
 

@@ -71,8 +71,13 @@ class Callback:
         """After an evaluation; ``row`` is the metrics.csv row just written."""
 
     def on_train_end(self, state: TrainState, status: str) -> None:
-        """Once, with the final status: completed or diverged, or, when training stops early
-        (:func:`ended_on_stop`), preempted, interrupted or failed."""
+        """Once, with the final status (completed or diverged)."""
+
+    def on_train_stop(self, state: TrainState, status: str) -> None:
+        """Instead of :meth:`on_train_end` when training stops on an exception
+        (:func:`ended_on_stop`): ``preempted`` or ``interrupted`` (a signal, after a
+        checkpoint) or ``failed``. Nothing may be measured or written here: the run resumes
+        from its checkpoint."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must hold for the callback to resume exactly."""
@@ -91,8 +96,8 @@ def stop_status(err: BaseException) -> str:
 @contextmanager
 def ended_on_stop(callbacks: list[Callback], state: TrainState) -> Iterator[None]:
     """Training inside: when it stops on an exception (a signal, Ctrl-C, an error), every
-    callback's ``on_train_end`` runs with :func:`stop_status` before the exception goes on,
-    so a tracker closes its run as preempted or failed. A callback that fails to end is
+    callback's ``on_train_stop`` runs with :func:`stop_status` before the exception goes on,
+    so a tracker closes its run as preempted or failed. A callback that fails to stop is
     logged, never allowed to hide the exception that stopped the run."""
     try:
         yield
@@ -100,7 +105,7 @@ def ended_on_stop(callbacks: list[Callback], state: TrainState) -> Iterator[None
         status = stop_status(err)
         for cb in callbacks:
             try:
-                cb.on_train_end(state, status)
+                cb.on_train_stop(state, status)
             except Exception as end_err:
                 log.warning("%s could not end the run as %s (%s: %s)", type(cb).__name__, status,
                             type(end_err).__name__, end_err)

@@ -117,7 +117,8 @@ class Tracker(Callback):
         if state.dist.is_main:
             self.side = SideFiles(Path(state.run_dir))
 
-    def before_step(self, state: TrainState) -> None:
+    def ensure_open(self, state: TrainState) -> None:
+        """Open (or, resumed, reopen) the tracker's run on rank 0, once."""
         if self.side is None or self.opened:
             return
         run_dir = Path(state.run_dir)
@@ -125,12 +126,23 @@ class Tracker(Callback):
         self.run_id = self.open(run_dir, run_dir.name, run_dir.parent.name, config, self.run_id, state.step)
         self.opened = True
 
+    def before_step(self, state: TrainState) -> None:
+        self.ensure_open(state)
+
     def on_eval(self, state: TrainState, row: dict[str, Any]) -> None:
+        self.ensure_open(state)
         if self.opened:
             self.log_side_files()
             self.log(scalars(row, "metrics"), int(row["step"]))
 
     def on_train_end(self, state: TrainState, status: str) -> None:
+        self.ensure_open(state)  # a run resumed at its last step trains no step
+        self.finish(state, status)
+
+    def on_train_stop(self, state: TrainState, status: str) -> None:
+        self.finish(state, status)
+
+    def finish(self, state: TrainState, status: str) -> None:
         if not self.opened:
             return
         self.log_side_files()
@@ -139,21 +151,34 @@ class Tracker(Callback):
         self.opened = False
 
     def log_side_files(self) -> None:
+        """Send the side files' new rows; rows a failure left unsent stay for the next call."""
         assert self.side is not None
-        for step, values in sorted(self.side.new().items()):
-            self.log(values, step)
+        before = dict(self.side.seen)
+        try:
+            for step, values in sorted(self.side.new().items()):
+                self.log(values, step)
+        except BaseException:
+            self.side.seen = before
+            raise
 
     def state_dict(self) -> dict[str, Any]:
         """For a checkpoint: the side files' rows so far go to the tracker first, so a run
-        resumed from this checkpoint sends none of them again."""
+        resumed from this checkpoint sends none of them again. A tracker that cannot be
+        reached costs a warning here, never the checkpoint."""
         if self.side is None:
             return {}
         if self.opened:
-            self.log_side_files()
-        return {"run_id": self.run_id, "seen": dict(self.side.seen)}
+            try:
+                self.log_side_files()
+            except Exception as err:
+                log.warning("logger=%s: rows of probes.csv/weights.csv not sent (%s: %s); they go with the next "
+                            "evaluation", self.settings.get("name"), type(err).__name__, err)
+        return {"run_id": self.run_id, "seen": dict(self.side.seen), "run_dir": str(self.side.run_dir)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.side is not None and state:
+        """Continue the checkpoint's tracker run only when the checkpoint is this run's own
+        (``trainer.resume=FILE`` may name another run's)."""
+        if self.side is not None and state.get("run_dir") == str(self.side.run_dir):
             self.run_id = state["run_id"]
             self.side.seen.update(state["seen"])
 
@@ -193,8 +218,11 @@ class TensorBoardLogger(Tracker):
         self.writer.flush()
 
     def close(self, summary: Mapping[str, Any], status: str) -> None:
-        finals = {f"hparams/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
-        self.writer.add_hparams(self.config | {"status": status}, finals, run_name=".")
+        """The HParams entry only for a finished run: TensorBoard keeps the first one a folder
+        holds, so a stopped run's would outlive its resumption."""
+        if status in ("completed", "diverged"):
+            finals = {f"hparams/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
+            self.writer.add_hparams(self.config | {"status": status}, finals, run_name=".")
         self.writer.close()
 
 

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -412,26 +413,28 @@ class SignalAt(Callback):
             os.kill(os.getpid(), self.signum)
 
 
-# Checkpoints at steps 2, 4, ...; evaluations at 4, 8, 12; grad_norm rows at steps 0..11.
-RESUMABLE = [*TRACKED, "trainer.eval_every=4", "trainer.checkpoint_every=2", "trainer.checkpoint_unit=step",
-             "trainer.max_steps=12"]
+# Checkpoints every 2 steps, evaluations at 4, 8, 12; grad_norm rows at steps 0..11, grad_var
+# (measured between steps, and on the final weights) and the clock's epoch rows besides.
+RESUMABLE = [*TRACKED, "probes=[grad_norm,grad_var,time]", "trainer.eval_every=4", "trainer.checkpoint_every=2",
+             "trainer.checkpoint_unit=step", "trainer.max_steps=12"]
 
 
-def mlflow_history(uri: str, experiment: str) -> tuple[list, list[int], list[int]]:
-    """The runs of an MLflow experiment, and the steps of the only run's test accuracy and of
-    one of its probes' quantities."""
+def mlflow_runs(uri: str, experiment: str) -> tuple[list, dict[str, list[int]]]:
+    """The runs of an MLflow experiment, and the logged steps of each metric of the first."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    probe = next(k for k in runs[0].data.metrics if k.startswith("probes/grad_norm/"))
-    return runs, *[[m.step for m in client.get_metric_history(runs[0].info.run_id, k)] for k in ("metrics/test_acc",
-                                                                                                  probe)]
+    return runs, {k: [m.step for m in client.get_metric_history(runs[0].info.run_id, k)] for k in runs[0].data.metrics}
+
+
+def grad_norm_steps(steps: dict[str, list[int]]) -> list[int]:
+    return next(v for k, v in steps.items() if k.startswith("probes/grad_norm/"))
 
 
 def test_preempted_run_closes_and_resumes_its_tracker_run(tmp_path: Path, monkeypatch) -> None:
     """SIGTERM: the MLflow run ends KILLED and the W&B run with exit code 75; the re-run
-    continues the same tracker run, and no row is sent twice."""
+    continues the same tracker run, and no metric gets a step twice."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -442,45 +445,54 @@ def test_preempted_run_closes_and_resumes_its_tracker_run(tmp_path: Path, monkey
         with pytest.raises(Preempted):
             train(cfg, run, [SignalAt(6, signal.SIGTERM)])
         if logger == "mlflow":
-            runs, accuracy, probe = mlflow_history(uri, "sweep")
+            runs, steps = mlflow_runs(uri, "sweep")
             assert [(r.info.status, r.data.tags["status"]) for r in runs] == [("KILLED", "preempted")]
-            assert accuracy == [4] and probe == list(range(6))  # every row up to the checkpoint at step 6
+            assert steps["metrics/test_acc"] == [4] and grad_norm_steps(steps) == list(range(6))  # up to the stop
+        time.sleep(1.0)  # W&B names an offline session's folder by the second it started
         train(cfg, run)
         assert read_summary(run)["resumed_from"].endswith("step-000000006.pt")
-    runs, accuracy, probe = mlflow_history(uri, "sweep")
-    assert [r.info.status for r in runs] == ["FINISHED"] and accuracy == [4, 8, 12] and probe == list(range(12))
+    runs, steps = mlflow_runs(uri, "sweep")
+    assert [r.info.status for r in runs] == ["FINISHED"] and steps["metrics/test_acc"] == [4, 8, 12]
+    assert grad_norm_steps(steps) == list(range(12))
+    assert any(k.startswith("probes/grad_var/") for k in steps) and any(k.startswith("probes/time/") for k in steps)
+    assert {k: v for k, v in steps.items() if len(set(v)) < len(v)} == {}
     first, second = wandb_records(tmp_path / "sweep" / "wandb", 0), wandb_records(tmp_path / "sweep" / "wandb", 1)
     ids = [[r.run.run_id for r in records if r.WhichOneof("record_type") == "run"] for records in (first, second)]
     assert ids[0] == ids[1] and len(ids[0]) == 1
     assert [r.exit.exit_code for r in first if r.WhichOneof("record_type") == "exit"] == [EXIT_PREEMPTED]
-    steps = [[r.history.step.num for r in records if r.WhichOneof("record_type") == "history"]
-             for records in (first, second)]
-    assert steps[0] == list(range(6)) and steps[1] == list(range(6, 13))
+    history = [[r.history.step.num for r in records if r.WhichOneof("record_type") == "history"]
+               for records in (first, second)]
+    assert max(history[0]) < min(history[1])  # the re-run sends only what came after the checkpoint
 
 
 def test_crashed_run_fails_its_tracker_run_and_resume_continues_it(tmp_path: Path) -> None:
-    """An error at step 6 (checkpoint at 4): the MLflow run ends FAILED; the re-run continues
-    it. The rows computed after the checkpoint were sent before the crash and are sent again
-    (MLflow keeps both; TensorBoard hides the first copies from step 5 on)."""
+    """An error at step 5, after the checkpoint at 3 and the evaluation at 4: the MLflow run
+    ends FAILED and the re-run continues it. What was sent after the checkpoint (accuracy at
+    step 4, grad_norm's rows 3 and 4) is sent again: MLflow holds both copies; TensorBoard hides the
+    first copies from step 4 on, so row 3 shows twice there; its HParams are the re-run's."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     for logger in ("mlflow", "tensorboard"):
-        cfg = compose_cfg([*RESUMABLE, f"logger={logger}", *([f"logger.tracking_uri={uri}"] * (logger == "mlflow"))])
+        cfg = compose_cfg([*TRACKED, "trainer.eval_every=4", "trainer.checkpoint_every=3", "trainer.checkpoint_unit=step",
+                           "trainer.max_steps=12", f"logger={logger}", *([f"logger.tracking_uri={uri}"] * (logger == "mlflow"))])
         with pytest.raises(RuntimeError, match="simulated crash"):
-            train(cfg, tmp_path / "sweep" / logger, [CrashAt(6)])
+            train(cfg, tmp_path / "sweep" / logger, [CrashAt(5)])
         if logger == "mlflow":
-            runs, _, probe = mlflow_history(uri, "sweep")
+            runs, _ = mlflow_runs(uri, "sweep")
             assert [(r.info.status, r.data.tags["status"]) for r in runs] == [("FAILED", "failed")]
         train(cfg, tmp_path / "sweep" / logger)
-    runs, accuracy, probe = mlflow_history(uri, "sweep")
-    assert [r.info.status for r in runs] == ["FINISHED"] and accuracy == [4, 8, 12]
-    assert probe == [*range(6), *range(4, 12)]  # rows 4 and 5: computed after the checkpoint, before the crash
+    runs, steps = mlflow_runs(uri, "sweep")
+    assert [r.info.status for r in runs] == ["FINISHED"] and steps["metrics/test_acc"] == [4, 4, 8, 12]
+    assert grad_norm_steps(steps) == [*range(5), *range(3, 12)]
     events = EventAccumulator(str(tmp_path / "sweep" / "tensorboard" / "tensorboard"))
     events.Reload()
     probe_tag = next(t for t in events.Tags()["scalars"] if t.startswith("probes/grad_norm/"))
     assert [e.step for e in events.Scalars("metrics/test_acc")] == [4, 8, 12]
-    assert [e.step for e in events.Scalars(probe_tag)] == [*range(5), *range(4, 12)]
+    assert [e.step for e in events.Scalars(probe_tag)] == [*range(4), *range(3, 12)]
+    session = plugin_data_pb2.HParamsPluginData.FromString(events.PluginTagToContent("hparams")["_hparams_/session_start_info"])
+    assert session.session_start_info.hparams["status"].string_value == "completed"
 
 
 def test_mlflow_resume_of_a_run_the_store_lacks_starts_a_new_one(tmp_path: Path, caplog) -> None:
