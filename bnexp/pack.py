@@ -39,6 +39,7 @@ from bnexp.callbacks import Callback, TrainState
 from bnexp.config import validate
 from bnexp.data import build_data
 from bnexp.data.loaders import build_loaders, drop_last
+from bnexp.distributed import Dist
 from bnexp.errors import ConfigError, OtherRunThere
 from bnexp.identity import differences, fingerprint
 from bnexp.methods import WeightNormLog, method_callbacks
@@ -53,6 +54,7 @@ from bnexp.trainer import (
     CheckpointClock,
     TrainMeter,
     callback_key,
+    check_batches,
     checkpoint_or_stop,
     end_step,
     eval_row,
@@ -351,16 +353,10 @@ def fit_pack(members: list[Member]) -> None:
     device = resolve_device(cfg.trainer.device)
     bundle = build_data(cfg.data)
     batch_size = int(cfg.trainer.batch_size)
-    if batch_size > len(bundle.train):
-        raise ConfigError(f"trainer.batch_size={batch_size} is larger than the {len(bundle.train)} training images: "
-                          f"use trainer.batch_size <= {len(bundle.train)}")
     last = drop_last(cfg.data, uses_batch_statistics(cfg.norm))
     loaders = [build_loaders(bundle, c.data, batch_size, c.trainer.seed, device.type == "cuda", device,
                              drop_last=last) for c in cfgs]
-    if uses_batch_statistics(cfg.norm) and loaders[0].sampler.smallest_batch < 2:
-        raise ConfigError(f"norm={cfg.norm.name} normalizes with batch statistics, and with data.drop_last=false the "
-                          "last batch of each epoch holds one image: set data.drop_last=true (or null) or another "
-                          "trainer.batch_size")
+    check_batches(cfg, bundle, loaders[0], batch_size, Dist())  # a pack is one process
     models, rngs = seeded_models(cfgs, bundle.spec, device)
     model = pack_models(models)
     net = Accelerated.from_config(model, device, cfg.trainer)

@@ -27,9 +27,9 @@ from tqdm import tqdm
 from bnexp import checkpoint, distributed
 from bnexp.callbacks import Callback, TrainState, ended_on_stop
 from bnexp.config import RESUME_MODES, validate
-from bnexp.data import build_data
-from bnexp.data.loaders import build_loaders, drop_last
-from bnexp.distributed import gather_objects, max_over_ranks, sum_over_ranks
+from bnexp.data import DataBundle, build_data
+from bnexp.data.loaders import Loaders, build_loaders, drop_last
+from bnexp.distributed import Dist, gather_objects, max_over_ranks, sum_over_ranks
 from bnexp.errors import ConfigError, OtherRunThere
 from bnexp.identity import differences, fingerprint
 from bnexp.loggers import logger_callback
@@ -373,6 +373,22 @@ def init_weights(model: nn.Module, source: Path) -> None:
                           f"placement and classes needed): {' '.join(s.strip() for s in first)}") from err
 
 
+def check_batches(cfg: DictConfig, bundle: DataBundle, loaders: Loaders, batch_size: int,
+                  d: Dist) -> None:
+    """A ConfigError for batches the run cannot train on: larger than the training set, or a
+    last batch of one image under a norm with batch statistics."""
+    share = -(-len(bundle.train) // d.world_size)  # training images per process
+    if batch_size > share:
+        per = f" ({share} per process)" if d.world_size > 1 else ""
+        raise ConfigError(f"trainer.batch_size={cfg.trainer.batch_size} is larger than the {len(bundle.train)} training "
+                          f"images{per}: use trainer.batch_size <= {share * d.world_size}")
+    pooled = d.world_size if cfg.norm.get("sync") else 1  # norm.sync: statistics over every process's share
+    if uses_batch_statistics(cfg.norm) and loaders.sampler.smallest_batch * pooled < 2:
+        raise ConfigError(f"norm={cfg.norm.name} normalizes with batch statistics, and with data.drop_last=false the "
+                          f"last batch of each epoch holds one image ({loaders.sampler.size} images, batches of "
+                          f"{batch_size}): set data.drop_last=true (or null) or another trainer.batch_size")
+
+
 def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks: list[Callback]) -> None:
     """Train one run, writing metrics.csv and checkpoints; fill ``summary`` as it goes."""
     seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
@@ -384,19 +400,10 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
     bundle = build_data(cfg.data)
     if bundle.skipped_images:  # data.check_images=true data.bad_images=skip
         summary["skipped_images"] = len(bundle.skipped_images)
-    batch_statistics = uses_batch_statistics(cfg.norm)
     loaders = build_loaders(bundle, cfg.data, batch_size, cfg.trainer.seed, device.type == "cuda", device,
-                            rank=d.rank, world_size=d.world_size, drop_last=drop_last(cfg.data, batch_statistics))
-    share = -(-len(bundle.train) // d.world_size)  # training images per process
-    if batch_size > share:
-        per = f" ({share} per process)" if d.world_size > 1 else ""
-        raise ConfigError(f"trainer.batch_size={cfg.trainer.batch_size} is larger than the {len(bundle.train)} training "
-                          f"images{per}: use trainer.batch_size <= {share * d.world_size}")
-    pooled = d.world_size if cfg.norm.get("sync") else 1  # norm.sync: statistics over every process's share
-    if batch_statistics and loaders.sampler.smallest_batch * pooled < 2:
-        raise ConfigError(f"norm={cfg.norm.name} normalizes with batch statistics, and with data.drop_last=false the "
-                          f"last batch of each epoch holds one image ({loaders.sampler.size} images, batches of "
-                          f"{batch_size}): set data.drop_last=true (or null) or another trainer.batch_size")
+                            rank=d.rank, world_size=d.world_size,
+                            drop_last=drop_last(cfg.data, uses_batch_statistics(cfg.norm)))
+    check_batches(cfg, bundle, loaders, batch_size, d)
     model = build_model(cfg.model, cfg.norm, cfg.act.name, bundle.spec).to(device)
     if cfg.trainer.get("init_from"):
         init_weights(model, Path(cfg.trainer.init_from))
@@ -416,46 +423,61 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
         cb.on_train_start(state)
     with ended_on_stop(run.callbacks, state):  # trackers close as preempted or failed on a stop
         run.resume(str(cfg.trainer.resume))
-        eval_every = max(1, to_steps(cfg.trainer.eval_every, cfg.trainer.eval_unit, state.steps_per_epoch))
-        log_every = int(cfg.trainer.log_every)
-        clock = CheckpointClock(cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_unit, state.steps_per_epoch, log_every)
-
-        model.train()
-        stream = loaders.epochs_from(state.step)
-        bar = tqdm(total=state.total_steps, initial=state.step, desc="train", disable=not sys.stderr.isatty(),
-                   dynamic_ncols=True)
-        lr, status = state.lr, "completed"
-        with PreemptionGuard() as guard:
-            while state.step < state.total_steps:
-                x, y = next(stream)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                lr = state.lr
-                logits, loss = train_step(net, optimizer, run.callbacks, state, x, y)
-                last = end_step(state, run.meter, run.callbacks, loss, logits, y, bar)
-                if state.step % log_every == 0 or state.step % eval_every == 0 or last:
-                    train_loss, train_acc = run.meter.read()
-                    if not math.isfinite(train_loss):
-                        status = "diverged"
-                        log.warning("non-finite training loss at step %d: stopping (status diverged)", state.step)
-                        break
-                    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.4g}")
-                    if bar.disable and state.step % log_every == 0:
-                        log.info("step %d/%d epoch %.2f loss %.4f acc %.2f%% lr %.4g", state.step, state.total_steps,
-                                 state.epoch, train_loss, train_acc, lr)
-                if state.step % eval_every == 0 or last:
-                    run.evaluate(loaders.test, bundle.spec.num_classes, lr)
-                checkpoint_or_stop(guard, clock, state, last, run.save_periodic, [summary])
-        bar.close()
-        if not run.metrics.rows:
-            run.evaluate(loaders.test, bundle.spec.num_classes, lr)
-        summary.update(status=status, steps=state.step, epochs=round(state.epoch, 4))
-        if status == "completed":
-            payload = run.payload()
-            then = "the run's metrics and summary stand (status completed); any periodic checkpoints are kept"
-            if d.is_main and run.save(payload, run_dir / checkpoint.FINAL, then):
-                checkpoint.prune(run_dir, 0)
+        status, lr = run_steps(run, loaders, bundle.spec.num_classes)
+        finish_run(run, status, loaders.test, bundle.spec.num_classes, lr)
     for cb in run.callbacks:
         cb.on_train_end(state, status)
+
+
+def run_steps(run: Run, loaders: Loaders, num_classes: int) -> tuple[str, float]:
+    """Train from the run's current step to its last: log, evaluate and checkpoint on their
+    schedules. Returns the status (completed, or diverged at a non-finite training loss) and
+    the last step's lr; a signal checkpoints and raises :class:`Preempted`."""
+    state, cfg = run.state, run.state.cfg
+    eval_every = max(1, to_steps(cfg.trainer.eval_every, cfg.trainer.eval_unit, state.steps_per_epoch))
+    log_every = int(cfg.trainer.log_every)
+    clock = CheckpointClock(cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_unit, state.steps_per_epoch, log_every)
+    state.model.train()
+    stream = loaders.epochs_from(state.step)
+    bar = tqdm(total=state.total_steps, initial=state.step, desc="train", disable=not sys.stderr.isatty(),
+               dynamic_ncols=True)
+    lr, status = state.lr, "completed"
+    with PreemptionGuard() as guard:
+        while state.step < state.total_steps:
+            x, y = next(stream)
+            x, y = x.to(state.device, non_blocking=True), y.to(state.device, non_blocking=True)
+            lr = state.lr
+            logits, loss = train_step(run.net, state.optimizer, run.callbacks, state, x, y)
+            last = end_step(state, run.meter, run.callbacks, loss, logits, y, bar)
+            if state.step % log_every == 0 or state.step % eval_every == 0 or last:
+                train_loss, train_acc = run.meter.read()
+                if not math.isfinite(train_loss):
+                    status = "diverged"
+                    log.warning("non-finite training loss at step %d: stopping (status diverged)", state.step)
+                    break
+                bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.4g}")
+                if bar.disable and state.step % log_every == 0:
+                    log.info("step %d/%d epoch %.2f loss %.4f acc %.2f%% lr %.4g", state.step, state.total_steps,
+                             state.epoch, train_loss, train_acc, lr)
+            if state.step % eval_every == 0 or last:
+                run.evaluate(loaders.test, num_classes, lr)
+            checkpoint_or_stop(guard, clock, state, last, run.save_periodic, [run.summary])
+    bar.close()
+    return status, lr
+
+
+def finish_run(run: Run, status: str, test: DataLoader, num_classes: int, lr: float) -> None:
+    """After the last step: an evaluation if the run has none, the summary's status and, for a
+    completed run, the final checkpoint (the periodic ones are then removed)."""
+    state = run.state
+    if not run.metrics.rows:
+        run.evaluate(test, num_classes, lr)
+    run.summary.update(status=status, steps=state.step, epochs=round(state.epoch, 4))
+    if status == "completed":
+        payload = run.payload()
+        then = "the run's metrics and summary stand (status completed); any periodic checkpoints are kept"
+        if state.dist.is_main and run.save(payload, state.run_dir / checkpoint.FINAL, then):
+            checkpoint.prune(state.run_dir, 0)
 
 
 def train(cfg: DictConfig, run_dir: Path, callbacks: list[Callback] | None = None) -> dict[str, Any]:
