@@ -465,6 +465,20 @@ def test_preempted_run_closes_and_resumes_its_tracker_run(tmp_path: Path, monkey
     assert max(history[0]) < min(history[1])  # the re-run sends only what came after the checkpoint
 
 
+def test_run_resumed_at_its_last_step_finishes_its_tracker_run(tmp_path: Path) -> None:
+    """SIGTERM during the last step: the re-run trains no step, and still reopens the MLflow
+    run to finish it."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = compose_cfg([*RESUMABLE, "probes=[grad_norm]", "logger=mlflow", f"logger.tracking_uri={uri}"])
+    with pytest.raises(Preempted):
+        train(cfg, tmp_path / "sweep" / "run", [SignalAt(12, signal.SIGTERM)])
+    assert [r.info.status for r in mlflow_runs(uri, "sweep")[0]] == ["KILLED"]
+    assert train(cfg, tmp_path / "sweep" / "run")["status"] == "completed"
+    runs, steps = mlflow_runs(uri, "sweep")
+    assert [(r.info.status, r.data.tags["status"]) for r in runs] == [("FINISHED", "completed")]
+    assert steps["metrics/test_acc"] == [4, 8, 12] and grad_norm_steps(steps) == list(range(12))
+
+
 def test_crashed_run_fails_its_tracker_run_and_resume_continues_it(tmp_path: Path) -> None:
     """An error at step 5, after the checkpoint at 3 and the evaluation at 4: the MLflow run
     ends FAILED and the re-run continues it. What was sent after the checkpoint (accuracy at
