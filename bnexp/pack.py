@@ -54,7 +54,8 @@ from bnexp.trainer import (
     CheckpointClock,
     TrainMeter,
     callback_key,
-    check_batches,
+    check_batch_size,
+    check_last_batch,
     checkpoint_or_stop,
     end_step,
     eval_row,
@@ -352,11 +353,12 @@ def fit_pack(members: list[Member]) -> None:
     backends = configure_backends(cfg.trainer.tf32, cfg.trainer.deterministic)
     device = resolve_device(cfg.trainer.device)
     bundle = build_data(cfg.data)
-    batch_size = int(cfg.trainer.batch_size)
+    batch_size, one_process = int(cfg.trainer.batch_size), Dist()
+    check_batch_size(cfg, bundle, batch_size, one_process)
     last = drop_last(cfg.data, uses_batch_statistics(cfg.norm))
     loaders = [build_loaders(bundle, c.data, batch_size, c.trainer.seed, device.type == "cuda", device,
                              drop_last=last) for c in cfgs]
-    check_batches(cfg, bundle, loaders[0], batch_size, Dist())  # a pack is one process
+    check_last_batch(cfg, loaders[0], batch_size, one_process)
     models, rngs = seeded_models(cfgs, bundle.spec, device)
     model = pack_models(models)
     net = Accelerated.from_config(model, device, cfg.trainer)

@@ -373,15 +373,17 @@ def init_weights(model: nn.Module, source: Path) -> None:
                           f"placement and classes needed): {' '.join(s.strip() for s in first)}") from err
 
 
-def check_batches(cfg: DictConfig, bundle: DataBundle, loaders: Loaders, batch_size: int,
-                  d: Dist) -> None:
-    """A ConfigError for batches the run cannot train on: larger than the training set, or a
-    last batch of one image under a norm with batch statistics."""
+def check_batch_size(cfg: DictConfig, bundle: DataBundle, batch_size: int, d: Dist) -> None:
+    """A ConfigError for a batch (``batch_size`` per process) larger than the training set."""
     share = -(-len(bundle.train) // d.world_size)  # training images per process
     if batch_size > share:
         per = f" ({share} per process)" if d.world_size > 1 else ""
         raise ConfigError(f"trainer.batch_size={cfg.trainer.batch_size} is larger than the {len(bundle.train)} training "
                           f"images{per}: use trainer.batch_size <= {share * d.world_size}")
+
+
+def check_last_batch(cfg: DictConfig, loaders: Loaders, batch_size: int, d: Dist) -> None:
+    """A ConfigError for a last batch of one image under a norm with batch statistics."""
     pooled = d.world_size if cfg.norm.get("sync") else 1  # norm.sync: statistics over every process's share
     if uses_batch_statistics(cfg.norm) and loaders.sampler.smallest_batch * pooled < 2:
         raise ConfigError(f"norm={cfg.norm.name} normalizes with batch statistics, and with data.drop_last=false the "
@@ -400,10 +402,11 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
     bundle = build_data(cfg.data)
     if bundle.skipped_images:  # data.check_images=true data.bad_images=skip
         summary["skipped_images"] = len(bundle.skipped_images)
+    check_batch_size(cfg, bundle, batch_size, d)
     loaders = build_loaders(bundle, cfg.data, batch_size, cfg.trainer.seed, device.type == "cuda", device,
                             rank=d.rank, world_size=d.world_size,
                             drop_last=drop_last(cfg.data, uses_batch_statistics(cfg.norm)))
-    check_batches(cfg, bundle, loaders, batch_size, d)
+    check_last_batch(cfg, loaders, batch_size, d)
     model = build_model(cfg.model, cfg.norm, cfg.act.name, bundle.spec).to(device)
     if cfg.trainer.get("init_from"):
         init_weights(model, Path(cfg.trainer.init_from))

@@ -390,6 +390,9 @@ def test_pack_refuses_what_it_cannot_share(tmp_path: Path, capsys) -> None:
     code, out = run_cli(["train", *PACK_RUN, "trainer.pack=2", "probes=[grad_norm]",
                          f"hydra.run.dir={tmp_path / 'run'}"], capsys)
     assert code != 0 and "runs cannot train as a pack with probes" in out
+    code, out = run_cli(["train", *PACK_RUN, "trainer.pack=2", "trainer.batch_size=100", "data.sampling=shuffle",
+                         f"hydra.run.dir={tmp_path / 'big'}"], capsys)
+    assert code == 2 and "trainer.batch_size=100 is larger than the 64 training images: use trainer.batch_size <= 64" in out
 
 
 EVERY_MODEL = {  # (overrides, image size)

@@ -127,6 +127,8 @@ def test_offline_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         ("optim.weight_decay=nan", "optim.weight_decay=nan is not valid"),
         ("trainer.batch_size=100", "trainer.batch_size=100 is larger than the 64 training images: use "
                                    "trainer.batch_size <= 64"),
+        ("trainer.batch_size=100 data.sampling=shuffle", "trainer.batch_size=100 is larger than the 64 training "
+                                                         "images: use trainer.batch_size <= 64"),
         ("norm=gn norm.groups=3", "norm.groups=3 does not divide the 4 channels of a normalized layer of "
                                   "model=resnet20: norm.groups must divide the channels of every normalized layer "
                                   "(the input images excepted); valid here: 1, 2, 4"),
