@@ -46,9 +46,12 @@ MODELS = {  # (overrides, image size, batch)
 # below 1e-10, unless training itself amplifies rounding beyond it: VGG-16 with before_op
 # POP-Norm or CBN at width 4 moves by 6e-10 and 1e-6 when the values of its first batch
 # change by one ulp. There the pack must stay within 10 times that sensitivity of the run
-# (:func:`assert_same_to_rounding`).
+# (:func:`assert_same_to_rounding`). Only the pairs named below may use that bound; every
+# other pair is held to the plain tolerance.
 TOL = 1e-10
 ULP_MARGIN = 10.0
+SENSITIVE_20_STEPS = {("vgg16", "popnorm"), ("vgg16", "cbn")}
+SENSITIVE_2_STEPS = {("resnet50", "bn"), ("efficientnet_b0", "bn")}  # relative 1e-12 missed by 3.5e-9, 2.5e-10
 
 
 def batches(run: int, size: int, batch: int, classes: int = 10) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -87,12 +90,15 @@ def seeded(cfg, spec: DataSpec, seed: int) -> nn.Module:
 
 
 def assert_same_to_rounding(difference: float, floor: float, cfg, spec: DataSpec, run: int, data: list,
-                            alone: nn.Module, tmp_path: Path, relative: bool = False) -> None:
+                            alone: nn.Module, tmp_path: Path, sensitive: set[tuple[str, str]],
+                            relative: bool = False) -> None:
     """``difference`` (run ``run`` of a pack against ``alone``, trained on ``data``) is below
-    ``floor``, or below :data:`ULP_MARGIN` times what moving every value of the first batch by
-    one ulp changes in the run alone (training that amplifies rounding beyond ``floor``)."""
+    ``floor``, or, for a (model, norm) pair in ``sensitive`` only, below :data:`ULP_MARGIN` times
+    what moving every value of the first batch by one ulp changes in the run alone (training
+    that amplifies rounding beyond ``floor``)."""
     if difference < floor:
         return
+    assert (cfg.model.name, cfg.norm.name) in sensitive, (cfg.model.name, cfg.norm.name, run, difference, floor)
     x = torch.nextafter(data[0][0], torch.tensor(float("inf"), dtype=data[0][0].dtype))
     nudged, _ = train(cfg, seeded(cfg, spec, run), [(x, data[0][1]), *data[1:]], tmp_path,
                       nn.functional.cross_entropy)
@@ -128,14 +134,14 @@ def test_pack_equals_runs_alone_in_float64(model: str, norm: str, tmp_path: Path
     joined = [(pack_inputs([data[r][s][0] for r in range(RUNS)]), torch.stack([data[r][s][1] for r in range(RUNS)], 1))
               for s in range(STEPS)]
     packed, extra = train(cfg, packed, joined, tmp_path, packed_losses)
-    x = torch.randn(5, 3, size, size, dtype=torch.float64)
+    x = torch.randn(5, 3, size, size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     logits = packed.eval()(pack_inputs([x] * RUNS)).view(5, RUNS, -1)
 
     for run, (model_alone, extra_alone) in enumerate(alone):
         difference = max(max_difference(unpack_state(packed.state_dict(), RUNS)[run], model_alone.state_dict()),
                          max_difference(unpack_state(extra, RUNS)[run], extra_alone),
                          (logits[:, run] - model_alone.eval()(x)).abs().max().item())
-        assert_same_to_rounding(difference, TOL, cfg, spec, run, data[run], model_alone, tmp_path)
+        assert_same_to_rounding(difference, TOL, cfg, spec, run, data[run], model_alone, tmp_path, SENSITIVE_20_STEPS)
     if norm == "cbn":  # the last steps ran at lr 0.005 (eta 0.95), after steps at eta 0.5
         etas = [m.amat_eta_now.item() for m in packed.modules() if isinstance(m, NormFamily) and m.amat]
         assert etas and all(abs(eta - 0.95) < 1e-12 for eta in etas)
@@ -341,12 +347,7 @@ def test_nan_in_one_run_leaves_the_others_bit_identical(layout: str, tmp_path: P
     for name in ("run", "run-seed2"):
         clean, poisoned_run = tmp_path / "clean" / name, tmp_path / "nan" / name
         assert read_summary(poisoned_run)["status"] == "completed"
-        a = torch.load(clean / "checkpoint.pt", weights_only=False)
-        b = torch.load(poisoned_run / "checkpoint.pt", weights_only=False)
-        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-        rows = [[{k: v for k, v in r.items() if k != "seconds"} for r in read_metrics(d / "metrics.csv")]
-                for d in (clean, poisoned_run)]
-        assert rows[0] == rows[1]
+        assert_same_run(clean, poisoned_run)
 
 
 def pack_dirs(run: Path) -> list[Path]:
@@ -361,13 +362,15 @@ def test_sigkill_then_rerun_resumes_the_whole_pack_bit_exactly(tmp_path: Path) -
     assert done.returncode == 0, done.stderr
     proc = subprocess.Popen([*cli_command(killed, steps), "trainer.pack=3"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    wait_for_checkpoint(pack_dirs(killed)[-1], proc, random.Random().randrange(2, steps - 10, 2))
+    kill_after = random.Random().randrange(2, steps - 10, 2)
+    # the last run's checkpoint (the pack writes its runs' in order, so the others' are there)
+    wait_for_checkpoint(pack_dirs(killed)[-1], proc, kill_after)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = subprocess.run([*cli_command(killed, steps), "trainer.pack=3"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, (kill_after, done.stderr)
     for a, b in zip(pack_dirs(reference), pack_dirs(killed)):
-        assert "resumed_from" in read_summary(b)
+        assert "resumed_from" in read_summary(b), kill_after
         assert_same_run(a, b)
 
 
@@ -429,7 +432,8 @@ def test_every_model_and_norm_packs_exactly(model: str, norm: str, tmp_path: Pat
     for run in range(RUNS):
         alone, _ = train(cfg, seeded(cfg, spec, run), data[run], tmp_path, nn.functional.cross_entropy)
         difference = max_difference(unpack_state(packed.state_dict(), RUNS)[run], alone.state_dict(), True)
-        assert_same_to_rounding(difference, 1e-12, cfg, spec, run, data[run], alone, tmp_path, relative=True)
+        assert_same_to_rounding(difference, 1e-12, cfg, spec, run, data[run], alone, tmp_path, SENSITIVE_2_STEPS,
+                                relative=True)
 
 
 def test_pack_groups_by_everything_but_the_seed() -> None:
@@ -536,8 +540,10 @@ def test_pack_logs_into_every_run_s_train_log(tmp_path: Path, capsys) -> None:
 
 
 def test_nan_in_float64_leaves_the_others_as_alone(tmp_path: Path) -> None:
-    """A NaN in run 1's third batch: with the pack's own criterion and freezing, runs 0 and 2
-    still equal their runs alone after 20 steps, and run 1's parameters stay at zero."""
+    """A NaN in run 1's third batch: with the pack's criterion (that of :meth:`Pack.criterion`,
+    written out here) and the real freezing callback, runs 0 and 2 still equal their runs alone
+    after 20 steps, and run 1's parameters stay at zero. The pack's own loop is checked end to
+    end by :func:`test_nan_in_one_run_leaves_the_others_bit_identical`."""
     from bnexp.pack import FreezeDiverged
 
     cfg = compose_cfg(["model=resnet20", "model.width=4", "norm=cbn", *PROTOCOL])

@@ -77,13 +77,14 @@ def test_sigkill_then_rerun_is_bit_identical(tmp_path: Path) -> None:
     run_inprocess(reference, [f"trainer.max_steps={steps}", "data.train_size=256"])  # same run, one process
     killed = tmp_path / "killed"
     proc = subprocess.Popen(cli_command(killed, steps), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_checkpoint(killed, proc, random.Random().randrange(2, steps - 10, 2))
+    kill_after = random.Random().randrange(2, steps - 10, 2)
+    wait_for_checkpoint(killed, proc, kill_after)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert not (killed / "checkpoint.pt").exists()
+    assert not (killed / "checkpoint.pt").exists(), kill_after
     done = subprocess.run(cli_command(killed, steps), capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "resumed_from" in read_summary(killed)
+    assert done.returncode == 0, (kill_after, done.stderr)
+    assert "resumed_from" in read_summary(killed), kill_after
     assert_same_run(reference, killed)
 
 
