@@ -26,12 +26,13 @@ resumed run continues the tracker run its checkpoint names (:class:`Tracker`).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import fcntl
 import importlib
+import io
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -59,11 +60,12 @@ def scalars(row: Mapping[str, Any], prefix: str) -> dict[str, float]:
 
 class SideFiles:
     """The rows the probes (``probes.csv``) and the weights' log (``weights.csv``) appended
-    since the last read, as scalars per step."""
+    since the last read, as scalars per step. Each read starts where the last one ended (a
+    byte offset), so a long run's files are not parsed again at every evaluation."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.seen = {"probes.csv": 0, "weights.csv": 0}
+        self.seen = {"probes.csv": 0, "weights.csv": 0}  # bytes of each file read so far
 
     def new(self) -> dict[int, dict[str, float]]:
         out: dict[int, dict[str, float]] = {}
@@ -71,11 +73,16 @@ class SideFiles:
             path = self.run_dir / name
             if not path.is_file():
                 continue
-            with open(path, newline="") as f:
-                rows = list(csv.DictReader(f))
-            for row in rows[self.seen[name]:]:
+            with open(path, "rb") as f:
+                header = f.readline()
+                start = max(self.seen[name], len(header))
+                f.seek(start)
+                data = f.read()
+            data = data[:data.rfind(b"\n") + 1]  # whole rows only
+            fields = next(csv.reader([header.decode()]), [])
+            for row in csv.DictReader(io.StringIO(data.decode(), newline=""), fieldnames=fields):
                 out.setdefault(int(row["step"]), {}).update(key(row))
-            self.seen[name] = len(rows)
+            self.seen[name] = start + len(data)
         return out
 
     @staticmethod
@@ -239,8 +246,8 @@ class MLflowLogger(Tracker):
         if store is not None:
             store.parent.mkdir(parents=True, exist_ok=True)
         # One process at a time creates the database and the experiment (parallel sweep jobs race otherwise).
-        with open(store.with_name(store.name + ".lock") if store else os.devnull, "a") as lock:
-            if store is not None:
+        with open(store.with_name(store.name + ".lock"), "a") if store else contextlib.nullcontext() as lock:
+            if lock is not None:
                 fcntl.flock(lock, fcntl.LOCK_EX)
             self.client = MlflowClient(tracking_uri=uri)
             experiment_name = self.settings.get("experiment") or group

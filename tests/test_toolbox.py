@@ -254,7 +254,7 @@ def test_latex_export_is_booktabs_with_grouped_columns_and_ascii_only() -> None:
     assert r"cbn\_table1" in text and r"$\Delta$: ours minus paper" in text
 
 
-def test_html_page_is_self_contained(tmp_path: Path, capsys) -> None:
+def test_html_page_is_self_contained(tmp_path: Path, capsys, monkeypatch) -> None:
     import pandas as pd
 
     from bnexp.report.table import LEGEND, html_page
@@ -270,6 +270,13 @@ def test_html_page_is_self_contained(tmp_path: Path, capsys) -> None:
     assert code == 0 and out.strip() == str(tmp_path / "page.html")
     written = (tmp_path / "page.html").read_text()
     assert "data:image/png;base64," in written and "(2)" in written
+    import bnexp.report
+
+    monkeypatch.delitem(sys.modules, "bnexp.report.plot", raising=False)
+    monkeypatch.delattr(bnexp.report, "plot", raising=False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    code, out = run_cli(["table", str(root), "format=html", f"out={tmp_path / 'other.html'}"], capsys)
+    assert code == 2 and "pip install 'bnexp[plot]'" in out and "Traceback" not in out, out
 
 
 @pytest.mark.parametrize("model,act,size", [("resnet18", "relu", 8), ("efficientnet_b0", "swish", 32)])

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from bnexp import checkpoint
 from bnexp.bench.common import compose_train
 from bnexp.commands import exit_on_error, run_dir_argument, split_options
+from bnexp.config import DEVICES
 from bnexp.data import build_data
 from bnexp.errors import ConfigError, unknown_choice
 from bnexp.models import build_model
@@ -32,7 +33,6 @@ from bnexp.runinfo import resolve_device, version_stamp, write_json
 from bnexp.trainer import evaluate
 
 SPLITS = ("test", "train")
-DEVICES = ("auto", "cpu", "cuda")
 OPTIONS = {"split": "test", "device": "auto", "batch": "0"}
 EVAL_FILE = "eval.json"
 

@@ -301,11 +301,13 @@ def plotting() -> Any:
     return plot
 
 
-def figure_png(draw: Callable[[], Any]) -> bytes:
-    """The PNG of the figure ``draw`` makes (``bnexp plot``'s, for an HTML page)."""
+def figure_png(draw: Callable[[Any], Any]) -> bytes:
+    """The PNG of the figure ``draw(plot)`` makes with :mod:`bnexp.report.plot` (``bnexp
+    plot``'s, for an HTML page); a ConfigError naming the extra when matplotlib is missing."""
+    plot = plotting()
     import matplotlib.pyplot as plt
 
-    fig = draw()
+    fig = draw(plot)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
@@ -350,7 +352,7 @@ def table_text(p: Preset, results: Path, fmt: str = "markdown") -> str:
     table = build(p.layout, runs, int(p.cfg.trainer.seed))
     figure = None
     if fmt == "html" and not runs.empty:
-        figure = figure_png(lambda: plotting().draw(p.layout, runs, ("train_loss", "test_acc"), ()))
+        figure = figure_png(lambda plot: plot.draw(p.layout, runs, ("train_loss", "test_acc"), ()))
     return render(table, fmt, f"{p.layout.title} ({results})", figure)
 
 
@@ -423,7 +425,7 @@ def sweep_text(folder: Path, options: Mapping[str, str]) -> str:
     table = sweep_table(frame, rows, cols, metric, METRIC_LABELS.get(options["metric"], options["metric"]))
     figure = None
     if options["format"] == "html":
-        figure = figure_png(lambda: plotting().draw_sweep(frame, ("train_loss", "test_acc"), str(folder)))
+        figure = figure_png(lambda plot: plot.draw_sweep(frame, ("train_loss", "test_acc"), str(folder)))
     return render(table, options["format"], f"{folder}: {options['metric']}", figure, SWEEP_LEGEND)
 
 
