@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from bnexp.errors import ConfigError
 from bnexp.runinfo import atomic_write
@@ -152,6 +153,15 @@ def _load_any(path: Path, data: bytes) -> Any:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as err:
         raise ValueError(f"unreadable checkpoint {path}: {type(err).__name__}: {err}") from err
+
+
+def finished_run_config(run_dir: Path, command: str) -> DictConfig:
+    """The config of the finished run in ``run_dir`` (its config.yaml, beside its final
+    checkpoint); a ConfigError naming ``command`` otherwise."""
+    if not (run_dir / "config.yaml").is_file() or not (run_dir / FINAL).is_file():
+        raise ConfigError(f"bnexp {command}: {run_dir} is not a finished run (it needs config.yaml and {FINAL}; "
+                          "unfinished runs have only periodic checkpoints)")
+    return OmegaConf.load(run_dir / "config.yaml")
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -64,10 +64,7 @@ def evaluate_run(run_dir: Path, overrides: list[str], split: str = "test", devic
         raise unknown_choice("split", split, SPLITS)
     if device not in DEVICES:
         raise unknown_choice("device", device, DEVICES)
-    if not (run_dir / "config.yaml").is_file() or not (run_dir / checkpoint.FINAL).is_file():
-        raise ConfigError(f"bnexp eval: {run_dir} is not a finished run (it needs config.yaml and "
-                          f"{checkpoint.FINAL}; unfinished runs have only periodic checkpoints)")
-    run_cfg = OmegaConf.load(run_dir / "config.yaml")
+    run_cfg = checkpoint.finished_run_config(run_dir, "eval")
     data_cfg = data_config(run_cfg, overrides, split)
     bundle = build_data(data_cfg)
     model = build_model(run_cfg.model, run_cfg.norm, run_cfg.act.name, bundle.spec)

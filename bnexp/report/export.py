@@ -35,9 +35,7 @@ TORCHVISION_ACT = {"resnet18": "relu", "resnet50": "relu", "efficientnet_b0": "s
 
 def run_parts(run_dir: Path) -> tuple[DictConfig, dict[str, torch.Tensor], DataSpec]:
     """A finished run's config, final weights and data shape (classes from its summary)."""
-    if not (run_dir / "config.yaml").is_file() or not (run_dir / checkpoint.FINAL).is_file():
-        raise ConfigError(f"bnexp export: {run_dir} is not a finished run (it needs config.yaml and {checkpoint.FINAL})")
-    cfg = OmegaConf.load(run_dir / "config.yaml")
+    cfg = checkpoint.finished_run_config(run_dir, "export")
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     weights = checkpoint.load_weights(run_dir)
     classes = summary.get("num_classes") or int(cfg.data.num_classes)
