@@ -35,7 +35,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -124,14 +124,27 @@ class Tracker(Callback):
         if state.dist.is_main:
             self.side = SideFiles(Path(state.run_dir))
 
+    @contextlib.contextmanager
+    def failure_ends_tracking(self, what: str) -> Iterator[None]:
+        """A tracker call whose failure (the tracker unreachable, its store locked) costs a
+        warning and the rest of this run's tracking, never the run: metrics.csv, probes.csv,
+        weights.csv and summary.json still hold everything."""
+        try:
+            yield
+        except Exception as err:
+            log.warning("logger=%s: %s failed (%s: %s); the run goes on without the tracker", self.settings.get("name"),
+                        what, type(err).__name__, err)
+            self.side, self.opened = None, False
+
     def ensure_open(self, state: TrainState) -> None:
         """Open (or, resumed, reopen) the tracker's run on rank 0, once."""
         if self.side is None or self.opened:
             return
         run_dir = Path(state.run_dir)
         config = OmegaConf.to_container(state.cfg, resolve=True)
-        self.run_id = self.open(run_dir, run_dir.name, run_dir.parent.name, config, self.run_id, state.step)
-        self.opened = True
+        with self.failure_ends_tracking("opening its run"):
+            self.run_id = self.open(run_dir, run_dir.name, run_dir.parent.name, config, self.run_id, state.step)
+            self.opened = True
 
     def before_step(self, state: TrainState) -> None:
         self.ensure_open(state)
@@ -139,8 +152,9 @@ class Tracker(Callback):
     def on_eval(self, state: TrainState, row: dict[str, Any]) -> None:
         self.ensure_open(state)
         if self.opened:
-            self.log_side_files()
-            self.log(scalars(row, "metrics"), int(row["step"]))
+            with self.failure_ends_tracking("logging"):
+                self.log_side_files()
+                self.log(scalars(row, "metrics"), int(row["step"]))
 
     def on_train_end(self, state: TrainState, status: str) -> None:
         self.ensure_open(state)  # a run resumed at its last step trains no step
@@ -152,34 +166,25 @@ class Tracker(Callback):
     def finish(self, state: TrainState, status: str) -> None:
         if not self.opened:
             return
-        self.log_side_files()
-        summary = {k: state.summary[k] for k in SUMMARY_KEYS if k in state.summary} | {"status": status}
-        self.close(summary, status)
+        with self.failure_ends_tracking("closing its run"):
+            self.log_side_files()
+            summary = {k: state.summary[k] for k in SUMMARY_KEYS if k in state.summary} | {"status": status}
+            self.close(summary, status)
         self.opened = False
 
     def log_side_files(self) -> None:
-        """Send the side files' new rows; rows a failure left unsent stay for the next call."""
         assert self.side is not None
-        before = dict(self.side.seen)
-        try:
-            for step, values in sorted(self.side.new().items()):
-                self.log(values, step)
-        except BaseException:
-            self.side.seen = before
-            raise
+        for step, values in sorted(self.side.new().items()):
+            self.log(values, step)
 
     def state_dict(self) -> dict[str, Any]:
         """For a checkpoint: the side files' rows so far go to the tracker first, so a run
-        resumed from this checkpoint sends none of them again. A tracker that cannot be
-        reached costs a warning here, never the checkpoint."""
+        resumed from this checkpoint sends none of them again."""
+        if self.opened:
+            with self.failure_ends_tracking("logging"):
+                self.log_side_files()
         if self.side is None:
             return {}
-        if self.opened:
-            try:
-                self.log_side_files()
-            except Exception as err:
-                log.warning("logger=%s: rows of probes.csv/weights.csv not sent (%s: %s); they go with the next "
-                            "evaluation", self.settings.get("name"), type(err).__name__, err)
         return {"run_id": self.run_id, "seen": dict(self.side.seen), "run_dir": str(self.side.run_dir)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -525,6 +525,20 @@ def test_mlflow_resume_of_a_run_the_store_lacks_starts_a_new_one(tmp_path: Path,
     assert "MLflow run 0123abcd, named in the checkpoint, is not in" in caplog.text
 
 
+def test_a_failing_tracker_costs_its_tracking_not_the_run(tmp_path: Path, monkeypatch, caplog) -> None:
+    from bnexp.loggers import MLflowLogger
+
+    def unreachable(self, values, step) -> None:
+        raise ConnectionError("tracking server unreachable")
+
+    monkeypatch.setattr(MLflowLogger, "log", unreachable)
+    cfg = compose_cfg([*RESUMABLE, "logger=mlflow", f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"])
+    summary = train(cfg, tmp_path / "sweep" / "run")
+    assert summary["status"] == "completed" and (tmp_path / "sweep" / "run" / "checkpoint.pt").is_file()
+    assert "logger=mlflow: logging failed (ConnectionError: tracking server unreachable); the run goes on" in caplog.text
+    assert caplog.text.count("the run goes on without the tracker") == 1  # tracking ends at the first failure
+
+
 def test_stop_status_names_how_the_run_stopped() -> None:
     assert [stop_status(e) for e in (Preempted(signal.SIGTERM), Preempted(signal.SIGINT), KeyboardInterrupt(),
                                       RuntimeError("x"))] == ["preempted", "interrupted", "interrupted", "failed"]
