@@ -66,6 +66,7 @@ wheels:
 
 install-offline:
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PYTHON) scripts/see_node_packages.py $(VENV)
 	@$(PY) -c "import torch, torchvision; print('using the installed torch', torch.__version__, 'CUDA', torch.version.cuda)" \
 		|| { echo "install-offline keeps the node's PyTorch, and found none: install torch>=2.11 and torchvision>=0.26 first"; exit 1; }
 	$(PY) -m pip install --no-index --find-links $(WHEELS) setuptools wheel $$($(PYTHON) scripts/offline_requirements.py)
