@@ -74,8 +74,9 @@ install-offline:
 	touch $(STAMP)
 
 # On a machine with wheels/ the offline install, otherwise the usual one.
+# CHECKS names some of the checks (e.g. CHECKS="tests bench-step"); all of them by default.
 gpu-check: $(if $(wildcard $(WHEELS)/*.whl),install-offline,install)
-	$(PY) -m bnexp.bench.gpu_check
+	$(PY) -m bnexp.bench.gpu_check $(CHECKS)
 
 # ---- Reproducing the papers (docs/experiments.md) ----------------------------------
 # `make reproduce-<paper>-<name>` runs the preset configs/experiment/<paper>/<name>.yaml

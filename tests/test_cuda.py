@@ -64,7 +64,7 @@ def test_norm_on_cuda_equals_cpu_in_float64(name: str) -> None:
         grad = torch.randn_like(x)
         outs = []
         for module, device in ((cpu, "cpu"), (gpu, CUDA)):
-            leaf = x.to(device).requires_grad_()
+            leaf = x.to(device, copy=True).requires_grad_()  # a leaf on both devices (x itself stays grad-free)
             y = module(leaf)
             y.backward(grad.to(device))
             outs.append((y, leaf.grad))
