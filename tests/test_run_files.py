@@ -142,7 +142,7 @@ def test_older_checkpoint_is_refused_then_converted_by_the_documented_command(
     rewrite(run / checkpoint.FINAL, {}, old_format=True)
     code, out = run_cli(["eval", str(run)], capsys)
     assert code == EXIT_CONFIG and "unpickling it needs numpy" in out and not (run / "eval.json").exists()
-    command = conversion_command().replace("RUN/checkpoint.pt RUN/checkpoints/step-*.pt", str(run / checkpoint.FINAL))
+    command = conversion_command().replace("RUN/checkpoint.pt", str(run / checkpoint.FINAL))
     done = subprocess.run(["bash", "-c", command.replace("python ", f"{sys.executable} ", 1)], capture_output=True,
                           text=True)
     assert done.returncode == 0 and done.stdout == f"converted {run / checkpoint.FINAL}\n", done.stderr
