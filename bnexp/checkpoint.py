@@ -132,7 +132,7 @@ def verified_bytes(path: Path, require_checksum: bool = True) -> bytes:
     except OSError as err:
         raise ValueError(f"unreadable checkpoint {path}: {err}") from err
     try:
-        expected = checksum_path(path).read_text().split()[0]
+        expected = checksum_path(path).read_bytes().split()[0].decode("ascii", "backslashreplace")
     except (OSError, IndexError):
         if require_checksum:
             raise ValueError(f"damaged checkpoint {path}: its checksum file {checksum_path(path).name} is missing")

@@ -157,3 +157,17 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
     """JSON through :func:`atomic_write`."""
     text = json.dumps(data, indent=2, sort_keys=True, default=str)
     atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def read_run_json(path: Path) -> dict[str, Any]:
+    """A JSON object bnexp wrote into a run folder (``summary.json``, ``eval.json``); a
+    ConfigError naming the file if it cannot be read, does not parse (nesting too deep
+    included) or holds something other than an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as err:
+        raise ConfigError(f"damaged {path.name} {path}: {type(err).__name__}: {' '.join(str(err).split())[:200]}") \
+            from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"damaged {path.name} {path}: a JSON {type(data).__name__}, not the object bnexp writes")
+    return data

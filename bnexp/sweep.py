@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import uuid
 from collections import Counter
@@ -31,7 +32,10 @@ from bnexp.checkpoint import FINAL, periodic_checkpoints, read_config, verified_
 from bnexp.config import lr_not_applicable
 from bnexp.errors import EXIT_FAILED, ConfigError, OtherRunThere
 from bnexp.identity import cell_name, differences, fingerprint, override_key
+from bnexp.runinfo import read_run_json
 from bnexp.runlock import HELD_ENV
+
+log = logging.getLogger("bnexp.sweep")
 
 Sweep = Mapping[str, Any]  # one sweep as a preset writes it: key -> value(s) in override syntax
 Values = dict[str, list[str]]  # one sweep parsed: key -> its values
@@ -132,9 +136,12 @@ def skip_reason(cfg: DictConfig, run_dir: Path) -> Optional[str]:
         return "the paper lists no learning rate for this cell (N/A)"
     if str(cfg.trainer.get("resume", "auto")) == "never":
         return None
+    if not (run_dir / "summary.json").is_file():
+        return None
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
+        summary = read_run_json(run_dir / "summary.json")
+    except ConfigError as err:
+        log.warning("%s; not taken as a finished run", err)
         return None
     status = summary.get("status")
     finished = status in FINISHED
@@ -238,8 +245,8 @@ DONE = ("completed", "diverged", "skipped")
 def job_status(run_dir: Path) -> tuple[str, str | None]:
     """(status, error) from a run's summary.json; a run that wrote none counts as failed."""
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
+        summary = read_run_json(run_dir / "summary.json")
+    except ConfigError:
         return "failed", "no readable summary.json"
     return summary.get("status", "failed"), summary.get("error")
 

@@ -254,3 +254,162 @@ def test_read_only_run_folder_is_one_line(run: Path, unprivileged: list[str]) ->
     finally:
         run.chmod(0o755)
     assert files_of(run) == before
+
+
+# Damaged JSON files bnexp wrote into a run folder: (the bytes, the part of the error that names the damage).
+DAMAGED_JSON = {
+    "not json": ('{"status": "compl', "JSONDecodeError: "),
+    "binary": (b"\x80\x81\xfe\xff" * 8, "UnicodeDecodeError: "),
+    "a list": ("[1, 2]", "a JSON list, not the object bnexp writes"),
+    "nested too deep": ("[" * 200_000 + "]" * 200_000, "RecursionError: "),
+}
+
+
+def damage_json(path: Path, kind: str) -> None:
+    text = DAMAGED_JSON[kind][0]
+    (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
+
+
+def the_damage(path: Path, kind: str) -> str:
+    return f"damaged {path.name} {path}: {DAMAGED_JSON[kind][1]}"
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding ``results/lrsearch`` after ``bnexp lrsearch *STUDY``: one finished candidate."""
+    root = tmp_path_factory.mktemp("study")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        from bnexp.cli import main
+
+        main(STUDY)
+    return root
+
+
+STUDY = ["lrsearch", *TINY, "methods=[none]", "acts=[relu]", "lrs=[1e-2]"]
+
+
+@pytest.fixture
+def candidate(study: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of the study's results, the working directory where ``bnexp lrsearch *STUDY``
+    finds them; the candidate's run folder."""
+    shutil.copytree(study / "results", tmp_path / "results", dirs_exist_ok=True)  # beside a copy of the run
+    monkeypatch.chdir(tmp_path)
+    return Path("results", "lrsearch", "none", "relu", "lr=0.01,seed=0")
+
+
+@pytest.mark.parametrize("kind", [k for k in DAMAGED_CONFIGS if k != "cut short"])
+def test_study_run_with_a_damaged_config_is_one_line(kind: str, candidate: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``bnexp lrsearch`` (and ``hessian``, through the same code) meets a candidate whose
+    config.yaml is damaged: one line naming the file, exit 2, the folder untouched."""
+    config = candidate / "config.yaml"
+    damage(config, kind)
+    before = files_of(candidate)
+    code, out = run_cli(STUDY, capsys)
+    assert code == EXIT_CONFIG and "Traceback" not in out, out
+    assert error_lines(out) == [line for line in out.splitlines() if line.startswith("bnexp:")]
+    assert len(error_lines(out)) == 1 and DAMAGED_CONFIGS[kind][1].format(config) in out, out
+    assert files_of(candidate) == before
+
+
+@pytest.mark.parametrize("kind", ["a list", "nested too deep"])
+def test_run_with_a_damaged_summary_is_trained_again_with_a_warning(kind: str, run: Path, candidate: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A finished run's summary.json that parses as no summary, under the same ``bnexp
+    train`` and ``bnexp lrsearch`` commands again: as an unreadable one, not a finished run,
+    with a warning naming the file; the run trains again and writes a new summary."""
+    for folder, command in ((run, ["train", *TINY]), (candidate, STUDY)):
+        damage_json(folder / "summary.json", kind)
+        code, out = run_cli(command, capsys)
+        assert code == 0 and "Traceback" not in out, out
+        assert f"{folder / 'summary.json'}: {DAMAGED_JSON[kind][1]}" in out, out  # train names it in full
+        assert "; not taken as a finished run" in out
+        assert json.loads((folder / "summary.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize("kind", DAMAGED_JSON)
+def test_eval_sets_a_damaged_eval_json_aside(kind: str, run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """eval.json is bnexp's output: a damaged one does not stop a new evaluation; it is kept
+    under the first free eval.json.damaged[-N], with a warning naming both."""
+    path = run / "eval.json"
+    kept = []
+    for copy in ("eval.json.damaged", "eval.json.damaged-2"):
+        damage_json(path, kind)
+        kept.append(path.read_bytes())
+        code, out = run_cli(["eval", str(run)], capsys)
+        assert code == 0 and "Traceback" not in out, out
+        assert f"bnexp: warning: {the_damage(path, kind)}" in out and f"; kept as {copy}, and a new eval.json " in out
+        assert list(json.loads(path.read_text())) == ["synthetic/test"]
+    assert [(run / name).read_bytes() for name in ("eval.json.damaged", "eval.json.damaged-2")] == kept
+
+
+SUMMARY_DAMAGE = {**{kind: kind for kind in DAMAGED_JSON}, "num_classes a word": "num_classes 'ten'"}
+
+
+@pytest.mark.parametrize("kind", SUMMARY_DAMAGE)
+def test_export_of_a_run_with_a_damaged_summary_is_one_line(kind: str, run: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    path = run / "summary.json"
+    if kind in DAMAGED_JSON:
+        damage_json(path, kind)
+        expected = the_damage(path, kind)
+    else:
+        path.write_text(json.dumps({**json.loads(path.read_text()), "num_classes": "ten"}))
+        expected = f"damaged summary.json {path}: num_classes 'ten' is not a number of classes"
+    before = files_of(run)
+    code, out = run_cli(["export", str(run)], capsys)
+    assert code == EXIT_CONFIG and "Traceback" not in out, out
+    assert error_lines(out) == [line for line in out.splitlines() if line] and len(error_lines(out)) == 1, out
+    assert expected in out
+    assert files_of(run) == before
+
+
+def test_binary_checksum_file_is_one_line_naming_the_checkpoint(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint.checksum_path(run / checkpoint.FINAL).write_bytes(b"\x80\x81\xfe\xff  checkpoint.pt\n")
+    before = files_of(run)
+    for command in ("eval", "export"):
+        code, out = run_cli([command, str(run)], capsys)
+        assert code == EXIT_CONFIG and "Traceback" not in out, out
+        assert error_lines(out) == [line for line in out.splitlines() if line], out
+        assert f"damaged checkpoint {run / checkpoint.FINAL}: its sha256 is " in out
+        assert "its checksum file says \\x80\\x81\\xfe..." in out
+    assert files_of(run) == before
+
+
+def test_dry_run_lists_a_cell_with_a_damaged_summary_as_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    command = ["train", "-m", *TINY, "trainer.seed=0,1", "--dry-run"]
+    code, out = run_cli(command, capsys)
+    assert code == 0, out
+    cell = Path(out.splitlines()[1].split()[0])
+    cell.mkdir(parents=True)
+    damage_json(cell / "summary.json", "a list")
+    code, out = run_cli(command, capsys)
+    assert code == 0 and "Traceback" not in out, out
+    assert [line.split()[1] for line in out.splitlines()[1:3]] == ["[failed]", "[to"]
+
+
+@pytest.mark.slow
+def test_pack_refuses_a_checkpoint_that_would_run_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A pack of 2 in the default run directory, stopped at step 2 (as a preemption leaves
+    it), whose second run's checkpoint would call exec (with its .sha256): the re-run refuses
+    it in one line, exit 2; the code never runs and neither run's checkpoints change."""
+    monkeypatch.chdir(tmp_path)
+    command = ["train", *TINY, "trainer.pack=2"]
+    assert run_cli(command, capsys)[0] == 0
+    runs = sorted(Path("results", "runs").iterdir())  # each named as its own command names it: seed 0, then 1
+    assert [r.name.endswith(",trainer.seed=1") for r in runs] == [False, True]
+    periodic = [as_preempted(r) for r in runs]
+    marker = tmp_path / "marker"
+    rewrite(periodic[1], {"extra": RunsCode(marker)})
+    before = [files_of(r / checkpoint.CHECKPOINT_DIR) for r in runs]
+    code, out = run_cli(command, capsys)
+    assert not marker.exists(), "the checkpoint's code ran"
+    assert code == EXIT_CONFIG and "Traceback" not in out, out
+    lines = error_lines(out)
+    assert len(lines) == 1 and lines[0].startswith(f"bnexp: error: refused checkpoint {tmp_path / periodic[1]}: unpickling it "
+                                                   "needs exec"), out
+    assert [files_of(r / checkpoint.CHECKPOINT_DIR) for r in runs] == before

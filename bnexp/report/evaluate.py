@@ -15,7 +15,6 @@ config's ``eval_batch_size``).
 from __future__ import annotations
 
 import datetime
-import json
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,12 @@ from torch.utils.data import DataLoader
 
 from bnexp import checkpoint
 from bnexp.bench.common import compose_train
-from bnexp.commands import exit_on_error, output_errors, run_dir_argument, split_options
+from bnexp.commands import exit_on_error, output_errors, print_warning, run_dir_argument, split_options
 from bnexp.config import DEVICES
 from bnexp.data import build_data
 from bnexp.errors import ConfigError, unknown_choice
 from bnexp.models import build_model
-from bnexp.runinfo import resolve_device, version_stamp, write_json
+from bnexp.runinfo import read_run_json, resolve_device, version_stamp, write_json
 from bnexp.trainer import evaluate
 
 SPLITS = ("test", "train")
@@ -82,13 +81,33 @@ def evaluate_run(run_dir: Path, overrides: list[str], split: str = "test", devic
              "evaluated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              **version_stamp()}
     path = run_dir / EVAL_FILE
-    entries = json.loads(path.read_text()) if path.is_file() else {}
     changed = [o for o in overrides if o.startswith("data.")]
-    entries[f"{data_cfg.name}{'(' + ','.join(changed) + ')' if changed else ''}/{split}"] = entry
     with output_errors(f"bnexp eval: cannot write {EVAL_FILE} in the run folder {run_dir}", "make the folder "
                        "writable (nothing was changed there)"):
+        entries = earlier_entries(path)
+        entries[f"{data_cfg.name}{'(' + ','.join(changed) + ')' if changed else ''}/{split}"] = entry
         write_json(path, entries)
     return entry
+
+
+def earlier_entries(path: Path) -> dict[str, Any]:
+    """The entries of the run's eval.json, if it has one. A damaged one (bnexp's own output,
+    so it should not stop a new evaluation) is renamed to the first free
+    ``eval.json.damaged[-N]`` beside it, with a warning: the new file starts empty, and
+    nothing is lost."""
+    if not path.is_file():
+        return {}
+    try:
+        return read_run_json(path)
+    except ConfigError as err:
+        kept = path.with_name(f"{path.name}.damaged")
+        copies = 1
+        while kept.exists():
+            copies += 1
+            kept = path.with_name(f"{path.name}.damaged-{copies}")
+        path.rename(kept)
+        print_warning(f"{err}; kept as {kept.name}, and a new {path.name} started")
+        return {}
 
 
 def command(args: list[str]) -> None:

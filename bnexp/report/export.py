@@ -28,7 +28,7 @@ from bnexp import checkpoint
 from bnexp.commands import exit_on_error, output_errors, run_dir_argument, split_options
 from bnexp.errors import ConfigError, unknown_choice
 from bnexp.models import DataSpec, build_model
-from bnexp.runinfo import atomic_write, version_stamp
+from bnexp.runinfo import atomic_write, read_run_json, version_stamp
 
 FORMATS = ("torchvision", "safetensors")
 TORCHVISION_ACT = {"resnet18": "relu", "resnet50": "relu", "efficientnet_b0": "swish"}  # torchvision's activation
@@ -37,10 +37,13 @@ TORCHVISION_ACT = {"resnet18": "relu", "resnet50": "relu", "efficientnet_b0": "s
 def run_parts(run_dir: Path) -> tuple[DictConfig, dict[str, torch.Tensor], DataSpec]:
     """A finished run's config, final weights and data shape (classes from its summary)."""
     cfg, payload = checkpoint.finished_run(run_dir, "export")
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    path = run_dir / "summary.json"
+    summary = read_run_json(path) if path.is_file() else {}
     weights = payload["model"]
-    classes = summary.get("num_classes") or int(cfg.data.num_classes)
-    spec = DataSpec(int(classes), int(cfg.data.get("channels", 3)), int(cfg.data.get("image_size", 32)))
+    classes = summary.get("num_classes") or cfg.data.num_classes
+    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 1:
+        raise ConfigError(f"damaged summary.json {path}: num_classes {classes!r} is not a number of classes")
+    spec = DataSpec(classes, int(cfg.data.get("channels", 3)), int(cfg.data.get("image_size", 32)))
     return cfg, weights, spec
 
 

@@ -3,17 +3,18 @@ config from overrides, train it in a run directory of the study, reuse a finishe
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
 from hydra import compose
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from bnexp.checkpoint import read_config
 from bnexp.commands import exit_on_error, split_options
 from bnexp.config import check_published_lr, hydra_session, lr_not_applicable
 from bnexp.errors import ConfigError, OtherRunThere
 from bnexp.identity import differences, fingerprint
+from bnexp.runinfo import read_run_json
 from bnexp.runlock import RunLock
 from bnexp.sweep import skip_reason
 
@@ -47,9 +48,9 @@ def run_or_reuse(cfg: DictConfig, run_dir: Path) -> tuple[dict[str, Any], bool]:
     from bnexp.trainer import train
 
     check_published_lr(cfg)  # before a study starts training on a data set the paper never used
-    saved = run_dir / "config.yaml"
-    if saved.is_file() and fingerprint(OmegaConf.load(saved)) != fingerprint(cfg):
-        raise OtherRunThere(f"{run_dir} holds a run with another config ({differences(OmegaConf.load(saved), cfg)}); "
+    saved = read_config(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else None
+    if saved is not None and fingerprint(saved) != fingerprint(cfg):
+        raise OtherRunThere(f"{run_dir} holds a run with another config ({differences(saved, cfg)}); "
                             "use another out= directory or remove it")
     with RunLock(run_dir):
         reason = skip_reason(cfg, run_dir)
@@ -57,7 +58,7 @@ def run_or_reuse(cfg: DictConfig, run_dir: Path) -> tuple[dict[str, Any], bool]:
             return train(cfg, run_dir), False
     if lr_not_applicable(cfg):
         raise ConfigError(f"cannot train {run_dir}: {reason}; set optim.lr")
-    return json.loads((run_dir / "summary.json").read_text()), True
+    return read_run_json(run_dir / "summary.json"), True
 
 
 def run_command(main: Callable[[dict[str, str], list[str]], None], args: list[str], defaults: dict[str, str]) -> None:
