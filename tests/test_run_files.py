@@ -313,6 +313,31 @@ def test_study_run_with_a_damaged_config_is_one_line(kind: str, candidate: Path,
     assert files_of(candidate) == before
 
 
+DAMAGED_PROBES = {
+    "not csv": ('step,probe\n"x\n', "ParserError: "),
+    "a step that is a word": ("step,probe,layer,quantity,value\nabc,loss,all,loss,1.5\n",
+                              "ValueError: invalid literal for int() with base 10: 'abc'"),
+    "binary": (b"\x80\x81\xfe\xff", "UnicodeDecodeError: "),
+    "other columns": ("a,b\n1,2\n", "no column step, probe, layer, quantity, value"),
+    "empty": ("", "EmptyDataError: "),
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGED_PROBES)
+def test_study_run_with_damaged_probes_is_one_line(kind: str, candidate: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A finished candidate that ``bnexp lrsearch`` reuses, whose probes.csv (the loss probe
+    the collapse rule reads) is damaged: one line naming the file, exit 2, nothing changed."""
+    text, reason = DAMAGED_PROBES[kind]
+    path = candidate / "probes.csv"
+    (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
+    before = files_of(candidate.parents[2])
+    code, out = run_cli(STUDY, capsys)
+    assert code == EXIT_CONFIG and "Traceback" not in out, out
+    assert len(error_lines(out)) == 1 and f"bnexp: error: damaged probes.csv {path}: {reason}" in out, out
+    assert files_of(candidate.parents[2]) == before
+
+
 @pytest.mark.parametrize("kind", ["a list", "nested too deep"])
 def test_run_with_a_damaged_summary_is_trained_again_with_a_warning(kind: str, run: Path, candidate: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:

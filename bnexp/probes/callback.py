@@ -207,10 +207,19 @@ def probes_callback(cfg: DictConfig) -> Optional[ProbesCallback]:
 
 
 def read_probes(run_dir: str | Path) -> pd.DataFrame:
-    """A run's probes.csv (an empty frame with the columns when there is none)."""
+    """A run's probes.csv (an empty frame with the columns when there is none); a ConfigError
+    naming the file if it does not parse as rows of whole steps and numeric values."""
     import pandas as pd
 
     path = Path(run_dir) / PROBES_FILE
     if not path.is_file():
         return pd.DataFrame(columns=list(COLUMNS))
-    return pd.read_csv(path, dtype={"probe": str, "layer": str, "quantity": str, "value": float})
+    try:
+        rows = pd.read_csv(path, dtype={"step": int, "probe": str, "layer": str, "quantity": str, "value": float})
+    except (OSError, ValueError) as err:  # pandas' ParserError and a UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"damaged {PROBES_FILE} {path}: {type(err).__name__}: {' '.join(str(err).split())}") \
+            from None
+    missing = [c for c in COLUMNS if c not in rows]
+    if missing:
+        raise ConfigError(f"damaged {PROBES_FILE} {path}: no column {', '.join(missing)}")
+    return rows
