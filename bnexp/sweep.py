@@ -139,7 +139,7 @@ def skip_reason(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     if not (run_dir / "summary.json").is_file():
         return None
     try:
-        summary = read_run_json(run_dir / "summary.json")
+        summary = stored_result(run_dir / "summary.json")
     except ConfigError as err:
         log.warning("%s; not taken as a finished run", err)
         return None
@@ -156,6 +156,16 @@ def skip_reason(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     if not finished:
         return None
     return f"already {status} (trainer.resume=never runs it again){damage_note(run_dir, cfg, summary)}"
+
+
+def stored_result(path: Path) -> dict[str, Any]:
+    """A run's summary.json as :func:`skip_reason` compares it; a ConfigError naming the file
+    if it is damaged (:func:`read_run_json`) or its ``config`` is no mapping of settings."""
+    summary = read_run_json(path)
+    if not isinstance(summary.get("config", {}), (Mapping, type(None))):
+        raise ConfigError(f"damaged summary.json {path}: its config is a JSON {type(summary['config']).__name__}, "
+                          "not the mapping of settings bnexp writes")
+    return summary
 
 
 def damage_note(run_dir: Path, cfg: DictConfig, summary: Mapping[str, Any]) -> str:

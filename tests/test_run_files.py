@@ -338,17 +338,27 @@ def test_study_run_with_damaged_probes_is_one_line(kind: str, candidate: Path,
     assert files_of(candidate.parents[2]) == before
 
 
-@pytest.mark.parametrize("kind", ["a list", "nested too deep"])
+def settings_a_list(path: Path) -> str:
+    """Replace the settings a summary.json records with a list; the warning expected."""
+    path.write_text(json.dumps({**json.loads(path.read_text()), "config": ["model"]}))
+    return "its config is a JSON list, not the mapping of settings bnexp writes"
+
+
+@pytest.mark.parametrize("kind", ["a list", "nested too deep", "settings a list"])
 def test_run_with_a_damaged_summary_is_trained_again_with_a_warning(kind: str, run: Path, candidate: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """A finished run's summary.json that parses as no summary, under the same ``bnexp
     train`` and ``bnexp lrsearch`` commands again: as an unreadable one, not a finished run,
     with a warning naming the file; the run trains again and writes a new summary."""
     for folder, command in ((run, ["train", *TINY]), (candidate, STUDY)):
-        damage_json(folder / "summary.json", kind)
+        if kind in DAMAGED_JSON:
+            damage_json(folder / "summary.json", kind)
+            reason = DAMAGED_JSON[kind][1]
+        else:
+            reason = settings_a_list(folder / "summary.json")
         code, out = run_cli(command, capsys)
         assert code == 0 and "Traceback" not in out, out
-        assert f"{folder / 'summary.json'}: {DAMAGED_JSON[kind][1]}" in out, out  # train names it in full
+        assert f"{folder / 'summary.json'}: {reason}" in out, out  # train names it in full
         assert "; not taken as a finished run" in out
         assert json.loads((folder / "summary.json").read_text())["status"] == "completed"
 
