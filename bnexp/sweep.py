@@ -158,13 +158,21 @@ def skip_reason(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     return f"already {status} (trainer.resume=never runs it again){damage_note(run_dir, cfg, summary)}"
 
 
+# What a re-run and the studies read from a finished run's summary.json: the JSON types
+# bnexp writes there, and how to say them (null is also valid: not recorded).
+RESULT_TYPES = {"config": ((dict,), "a mapping of settings"), "final_top1": ((int, float), "a number"),
+                "num_classes": ((int,), "a whole number")}
+
+
 def stored_result(path: Path) -> dict[str, Any]:
-    """A run's summary.json as :func:`skip_reason` compares it; a ConfigError naming the file
-    if it is damaged (:func:`read_run_json`) or its ``config`` is no mapping of settings."""
+    """A run's summary.json as :func:`skip_reason` and the studies read it; a ConfigError
+    naming the file if it is damaged (:func:`read_run_json`) or a value of
+    :data:`RESULT_TYPES` is of another type."""
     summary = read_run_json(path)
-    if not isinstance(summary.get("config", {}), (Mapping, type(None))):
-        raise ConfigError(f"damaged summary.json {path}: its config is a JSON {type(summary['config']).__name__}, "
-                          "not the mapping of settings bnexp writes")
+    for key, (types, what) in RESULT_TYPES.items():
+        value = summary.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            raise ConfigError(f"damaged summary.json {path}: its {key} is a JSON {type(value).__name__}, not {what}")
     return summary
 
 

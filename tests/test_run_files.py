@@ -338,13 +338,21 @@ def test_study_run_with_damaged_probes_is_one_line(kind: str, candidate: Path,
     assert files_of(candidate.parents[2]) == before
 
 
-def settings_a_list(path: Path) -> str:
-    """Replace the settings a summary.json records with a list; the warning expected."""
-    path.write_text(json.dumps({**json.loads(path.read_text()), "config": ["model"]}))
-    return "its config is a JSON list, not the mapping of settings bnexp writes"
+# A value of a summary.json replaced with another type: (key, value, the warning expected).
+WRONG_TYPES = {
+    "settings a list": ("config", ["model"], "its config is a JSON list, not a mapping of settings"),
+    "final_top1 a word": ("final_top1", "abc", "its final_top1 is a JSON str, not a number"),
+    "num_classes a bool": ("num_classes", True, "its num_classes is a JSON bool, not a whole number"),
+}
 
 
-@pytest.mark.parametrize("kind", ["a list", "nested too deep", "settings a list"])
+def wrong_type(path: Path, kind: str) -> str:
+    key, value, reason = WRONG_TYPES[kind]
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    return reason
+
+
+@pytest.mark.parametrize("kind", ["a list", "nested too deep", *WRONG_TYPES])
 def test_run_with_a_damaged_summary_is_trained_again_with_a_warning(kind: str, run: Path, candidate: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """A finished run's summary.json that parses as no summary, under the same ``bnexp
@@ -355,7 +363,7 @@ def test_run_with_a_damaged_summary_is_trained_again_with_a_warning(kind: str, r
             damage_json(folder / "summary.json", kind)
             reason = DAMAGED_JSON[kind][1]
         else:
-            reason = settings_a_list(folder / "summary.json")
+            reason = wrong_type(folder / "summary.json", kind)
         code, out = run_cli(command, capsys)
         assert code == 0 and "Traceback" not in out, out
         assert f"{folder / 'summary.json'}: {reason}" in out, out  # train names it in full
