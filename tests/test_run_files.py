@@ -456,3 +456,29 @@ def test_pack_refuses_a_checkpoint_that_would_run_code(tmp_path: Path, monkeypat
     assert len(lines) == 1 and lines[0].startswith(f"bnexp: error: refused checkpoint {tmp_path / periodic[1]}: unpickling it "
                                                    "needs exec"), out
     assert [files_of(r / checkpoint.CHECKPOINT_DIR) for r in runs] == before
+
+
+HESSIAN = ["hessian", "norms=[none]", "data=synthetic", "data.image_size=8", "data.train_size=64", "data.test_size=32",
+           "model.width=4", "trainer.max_steps=2", "trainer.device=cpu", "probe.hessian.every=2"]
+
+
+@pytest.mark.parametrize("file", ["config.yaml", "probes.csv"])
+def test_hessian_run_with_a_damaged_file_is_one_line(file: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``bnexp hessian`` again over its finished run, whose config.yaml (not YAML) or
+    probes.csv (binary) is damaged: one line naming the file, exit 2, nothing changed."""
+    monkeypatch.chdir(tmp_path)
+    code, out = run_cli(HESSIAN, capsys)
+    assert code == 0, out
+    path = Path("results", "hessian", "none", file)
+    if file == "config.yaml":
+        damage(path, "not yaml")
+        expected = DAMAGED_CONFIGS["not yaml"][1].format(path)
+    else:
+        path.write_bytes(DAMAGED_PROBES["binary"][0])
+        expected = f"damaged probes.csv {path}: {DAMAGED_PROBES['binary'][1]}"
+    before = files_of(Path("results"))
+    code, out = run_cli(HESSIAN, capsys)
+    assert code == EXIT_CONFIG and "Traceback" not in out, out
+    assert len(error_lines(out)) == 1 and expected in out, out
+    assert files_of(Path("results")) == before
