@@ -31,6 +31,15 @@ def test_each_preset_completes(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert read_summary(tmp_path / "run")["status"] == "completed"
 
 
+def test_bn_4things_trains_at_batch_1_with_channel_groups(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Batch-group normalization takes its statistics over groups of channels, so a batch of
+    one trains (without norm.groups it is refused, as BN is)."""
+    code, out = run_cli(["train", *TINY, "norm=bn_4things", "norm.groups=2", "trainer.batch_size=1",
+                         *run_dir_of(tmp_path)], capsys)
+    assert code == 0, out
+    assert read_summary(tmp_path / "run")["status"] == "completed"
+
+
 class RecordAmatEta(Callback):
     """After each forward (so after before_step handed the lr), read every AMAT layer's eta."""
 
