@@ -45,7 +45,7 @@ Test table
 | 2 CBN           | x      | 88.50 ± 0.71 (2) rho=2 | 91.20 ± 0.06    | -2.70       | agree p=0.12   | – (0; 2 missing)     | 91.73 ± 0.07 |          | missing     | 91.00 (1; 1 failed) rho=1 | 91.98 ± 0.06 | -0.98    | missing     |
 | Improv.         |        | +8.00                  | +12.23          |             |                |                      | +4.14        |          |             | +1.00                     | +0.85        |          |             |
 
-cell: mean ± std (completed runs; diverged, failed and missing runs); paper: the published value; Δ: ours minus paper; test: two-sided Welch t-test of our runs against the published mean ± std and run count at level 0.05, agree (p ≥ 0.05) or differ, with its p-value; missing: fewer than 2 completed runs
+cell: mean ± std (completed runs; diverged, failed and missing runs); paper: the published value; Δ: ours minus paper
 """
 
 

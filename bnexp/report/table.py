@@ -43,9 +43,9 @@ LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", 
                  "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
 LEVEL = 0.05  # level of the two-sided Welch test of a cell against its published mean ± std
 LEGEND = ("cell: mean ± std (completed runs; diverged, failed and missing runs); "
-          "paper: the published value; Δ: ours minus paper; test: two-sided Welch t-test of our runs against the "
-          f"published mean ± std and run count at level {LEVEL:g}, agree (p ≥ {LEVEL:g}) or differ, with its p-value; "
-          "missing: fewer than 2 completed runs")
+          "paper: the published value; Δ: ours minus paper")
+TEST_LEGEND = (f"test: two-sided Welch t-test of our runs against the published mean ± std and run count at level "
+               f"{LEVEL:g}, agree (p ≥ {LEVEL:g}) or differ, with its p-value; missing: fewer than 2 completed runs")
 VERDICTS = ("agree", "differ", "missing")
 
 
@@ -179,11 +179,19 @@ def verdict(ours: Cell, paper: Published | None) -> str:
     return f"{'agree' if p >= LEVEL else 'differ'} p={p:.2g}"
 
 
-def verdict_line(table: pd.DataFrame) -> str:
-    """The closing line: how many cells agree with, differ from and miss their published value."""
-    cells = [str(v).split(" ")[0] for c in table.columns if str(c).endswith(" test") for v in table[c]]
+def test_columns(table: pd.DataFrame) -> list[str]:
+    """The table's ``test`` columns (the verdicts)."""
+    return [c for c in table.columns if str(c).endswith(" test")]
+
+
+def legend_of(table: pd.DataFrame) -> str:
+    """The legend, and with verdicts the test's description and the closing line that counts
+    how many cells agree with, differ from and miss their published value."""
+    cells = [str(v).split(" ")[0] for c in test_columns(table) for v in table[c]]
+    if not cells:
+        return LEGEND
     counts = ", ".join(f"{cells.count(v)} {v}" for v in VERDICTS)
-    return f"Welch test at level {LEVEL:g} over the cells with a published mean ± std: {counts}"
+    return f"{LEGEND}; {TEST_LEGEND}\n\nWelch test at level {LEVEL:g} over the cells with a published mean ± std: {counts}"
 
 
 def fmt_diff(a: float, b: float) -> str:
@@ -242,7 +250,8 @@ def build(layout: Layout, frame: pd.DataFrame, default_seed: int = 0) -> pd.Data
         if layout.improv and baseline:
             lines.append(improv)
         baseline = baseline or means
-    return pd.DataFrame(lines)
+    table = pd.DataFrame(lines)
+    return table.drop(columns=[c for c in test_columns(table) if not table[c].any()])  # no published spread
 
 
 def column_name(layout: Layout, col: Mapping[str, Any], metric: str) -> str:
@@ -397,8 +406,7 @@ def table_text(p: Preset, results: Path, fmt: str = "markdown") -> str:
     figure = None
     if fmt == "html" and not runs.empty:
         figure = figure_png(lambda plot: plot.draw(p.layout, runs, ("train_loss", "test_acc"), ()))
-    legend = f"{LEGEND}\n\n{verdict_line(table)}" if p.layout.paper else LEGEND
-    return render(table, fmt, f"{p.layout.title} ({results})", figure, legend)
+    return render(table, fmt, f"{p.layout.title} ({results})", figure, legend_of(table))
 
 
 # ---- any sweep's folder ----------------------------------------------------------------
