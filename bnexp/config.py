@@ -176,6 +176,10 @@ def validate(cfg: DictConfig) -> None:
         for key in ("optim.beta1", "optim.beta2"):
             _number(cfg, key, lambda v: 0 <= v < 1, "in [0, 1)")
         _number(cfg, "optim.eps", lambda v: v > 0, "a number > 0")
+        for key in ("momentum", "nesterov"):  # a preset's protocol may set them for SGD
+            if cfg.optim.get(key):
+                raise ConfigError(f"optim.{key}={cfg.optim[key]} means nothing with optim=adam (optim.beta1 is its "
+                                  f"momentum): set optim.{key}={'false' if key == 'nesterov' else 0}")
     _number(cfg, "optim.weight_decay", lambda v: v >= 0, "a number >= 0")
     _number(cfg, "trainer.batch_size", lambda v: v >= 1, "an integer >= 1", integer=True)
     _number(cfg, "trainer.nproc", lambda v: v >= 1, "an integer >= 1", integer=True)
