@@ -400,7 +400,7 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
     summary["backends"] = configure_backends(cfg.trainer.tf32, cfg.trainer.deterministic)
     d = distributed.from_environment()
     device = resolve_device(cfg.trainer.device, d.local_rank if d.enabled else None)
-    distributed.init_process_group(d, device)
+    distributed.init_process_group(d, device, float(cfg.trainer.dist_timeout))
     batch_size = distributed.split_batch(cfg.trainer.batch_size, d)
     bundle = build_data(cfg.data)
     if bundle.skipped_images:  # data.check_images=true data.bad_images=skip
@@ -497,7 +497,8 @@ def train(cfg: DictConfig, run_dir: Path, callbacks: list[Callback] | None = Non
                                "config": OmegaConf.to_container(cfg, resolve=True)}
     try:
         validate(cfg)
-        fit(cfg, run_dir, summary, list(callbacks or []))
+        with distributed.peers_timeout_named(float(cfg.trainer.dist_timeout)):
+            fit(cfg, run_dir, summary, list(callbacks or []))
     except Preempted:
         raise
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started: no checkpoint
