@@ -183,6 +183,7 @@ def validate(cfg: DictConfig) -> None:
     _number(cfg, "optim.weight_decay", lambda v: v >= 0, "a number >= 0")
     _number(cfg, "trainer.batch_size", lambda v: v >= 1, "an integer >= 1", integer=True)
     _number(cfg, "trainer.nproc", lambda v: v >= 1, "an integer >= 1", integer=True)
+    _number(cfg, "trainer.dist_timeout", lambda v: v > 0, "a number of seconds > 0")
     _number(cfg, "trainer.pack", lambda v: v >= 1, "an integer >= 1", integer=True)
     per_process = split_batch(cfg.trainer.batch_size, Dist(world_size=cfg.trainer.nproc))
     together = cfg.trainer.batch_size if cfg.norm.get("sync") else per_process
