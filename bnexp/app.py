@@ -51,6 +51,19 @@ def report_error(message: str, details: str = "", to_log: bool = True) -> None:
             handler.handle(record)
 
 
+def console_log_only_off_rank_0() -> None:
+    """Ranks above 0 log to their console only, so that rank 0 alone writes the run's
+    ``train.log``. Under torchrun their Hydra logging is off already (:func:`rank_overrides`);
+    Hydra's submitit launcher runs the whole Hydra job, file logging included, in every
+    SLURM task."""
+    if from_environment().is_main:
+        return
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()
+
+
 @dataclass(frozen=True)
 class Job:
     """One run to train: its config, its Hydra config and its directory."""
@@ -90,6 +103,7 @@ def train_job(cfg: DictConfig) -> float:
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     run_dir = Path(hydra_cfg.runtime.output_dir)
     register_resolvers()  # a launcher's worker process starts without them
+    console_log_only_off_rank_0()
     pack = cfg.trainer.get("pack", 1)
     if isinstance(pack, int) and pack > 1:  # validate() names any other value than an integer >= 1
         if sweeping:
