@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+# Tests in parallel processes (pytest-xdist), one per core; the SLURM cluster's tests share
+# one process (their xdist_group). `pytest` alone runs them one at a time.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadgroup
 
 # ruff, configured in pyproject.toml ([tool.ruff]); CI runs it before the tests.
 lint: install

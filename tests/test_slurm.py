@@ -121,6 +121,7 @@ def only_cell(where: Path) -> Path:
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.xdist_group("slurm")  # one node: the cluster tests take turns in one worker
 def test_sweep_through_submitit_runs_each_cell_as_a_slurm_job(cluster: None, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -144,6 +145,7 @@ def test_sweep_through_submitit_runs_each_cell_as_a_slurm_job(cluster: None, tmp
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.xdist_group("slurm")  # one node: the cluster tests take turns in one worker
 def test_two_slurm_tasks_train_one_ddp_run(cluster: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Each task is one rank (bnexp reads them from submitit); rank 0 alone writes the run
     directory, train.log included, and the run equals a torchrun run of two processes."""
@@ -162,6 +164,7 @@ def test_two_slurm_tasks_train_one_ddp_run(cluster: None, tmp_path: Path, capsys
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.xdist_group("slurm")  # one node: the cluster tests take turns in one worker
 def test_scontrol_requeue_mid_run_resumes_bit_identically(cluster: None, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
