@@ -412,6 +412,7 @@ def table_text(p: Preset, results: Path, fmt: str = "markdown") -> str:
 # ---- any sweep's folder ----------------------------------------------------------------
 SWEEP_OPTIONS = {"rows": "", "cols": "", "metric": "top1", "format": "markdown", "out": ""}
 REPLICATES = ("trainer.seed",)  # overrides whose runs a cell pools
+UNSET = "(not set)"  # a row or column key of a run that its overrides do not give
 
 
 def varying(frame: pd.DataFrame) -> list[str]:
@@ -440,24 +441,41 @@ def ordered(values: pd.Series) -> list[Any]:
         return sorted(distinct, key=str)
 
 
+def keyed(frame: pd.DataFrame, columns: Sequence[str]) -> list[tuple[str, ...]]:
+    """Each run's values of ``columns``, as text (:data:`UNSET` where it has none)."""
+    def text(value: Any) -> str:
+        return UNSET if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+
+    return [tuple(map(text, values)) for values in zip(*(frame[c] for c in columns))] if columns else [()] * len(frame)
+
+
+def combinations(keys: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """The distinct ``keys`` (:func:`keyed`), ordered key by key as :func:`ordered` orders
+    values, :data:`UNSET` last: only the combinations that runs have, never more than runs."""
+    found = set(keys)
+    ranks = [{v: i for i, v in enumerate(ordered(pd.Series([v for v in values if v != UNSET], dtype=object)))}
+             for values in zip(*found)]
+    return sorted(found, key=lambda combo: tuple(rank.get(v, len(rank)) for rank, v in zip(ranks, combo)))
+
+
 def sweep_table(frame: pd.DataFrame, rows: Sequence[str], cols: Sequence[str], metric: str,
                 label: str = "") -> pd.DataFrame:
     """Cells ``mean ± std (n; diverged, failed)`` of ``metric`` (headed ``label``) for every
-    combination of the ``rows`` keys (one line each) and the ``cols`` keys (one column each)."""
+    combination of the ``rows`` keys (one line each) and the ``cols`` keys (one column each)
+    that some run has: each run in exactly one cell, the table no larger than the runs make it."""
     valid = varying(frame)
-    row_cols = [column_of(frame, k, valid) for k in rows]
-    col_cols = [column_of(frame, k, valid) for k in cols]
-    row_keys = list(itertools.product(*(ordered(frame[c]) for c in row_cols))) or [()]
-    col_keys = list(itertools.product(*(ordered(frame[c]) for c in col_cols))) or [()]
+    row_of = keyed(frame, [column_of(frame, k, valid) for k in rows])
+    col_of = keyed(frame, [column_of(frame, k, valid) for k in cols])
+    cells: dict[tuple[tuple[str, ...], tuple[str, ...]], list[int]] = {}
+    for i, key in enumerate(zip(row_of, col_of)):
+        cells.setdefault(key, []).append(i)
+    columns = combinations(col_of)
     lines = []
-    for row in row_keys:
-        runs = select(frame, dict(zip(row_cols, row)))
-        if runs.empty:
-            continue
-        line = {key: str(value) for key, value in zip(rows, row)} or {"runs": "all"}
-        for col in col_keys:
+    for row in combinations(row_of):
+        line = dict(zip(rows, row)) or {"runs": "all"}
+        for col in columns:
             name = " ".join(f"{k}={v}" for k, v in zip(cols, col)) or label or metric
-            line[name] = stats(select(runs, dict(zip(col_cols, col))), metric, 0).text("")
+            line[name] = stats(frame.iloc[cells.get((row, col), [])], metric, 0).text("")
         lines.append(line)
     return pd.DataFrame(lines)
 
