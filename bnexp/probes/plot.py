@@ -18,9 +18,8 @@ from matplotlib.figure import Figure
 
 from bnexp.commands import print_warning
 from bnexp.errors import unknown_choice
-from bnexp.probes.callback import ALL, PROBES_FILE
+from bnexp.probes.callback import ALL, PROBES_FILE, read_probes
 from bnexp.probes.eta_tau import QUANTILES, quantity_name
-from bnexp.report.results import load_probes
 from bnexp.runinfo import atomic_write
 
 
@@ -154,6 +153,7 @@ def draw_eta_tau(frame: pd.DataFrame, out_dir: Path) -> list[Path]:
     return paths
 
 
+Reader = Callable[[Path], pd.DataFrame]  # a run directory -> its probes.csv rows
 DRAWERS: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {
     "grad_norm": line_plot("norm", "||g||", "stochastic gradient norm", log=True),
     "grad_var": line_plot("variance", "mean ||g_i - mean g||^2", "stochastic gradient variance", log=True),
@@ -165,11 +165,13 @@ DRAWERS: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {
 }
 
 
-def plot_probes(run_dirs: Sequence[Path], out_dir: Path) -> list[Path]:
-    """One figure per probe found in the runs' probes.csv files, in ``out_dir``; the paths."""
+def plot_probes(run_dirs: Sequence[Path], out_dir: Path, read: Reader = read_probes) -> list[Path]:
+    """One figure per probe found in the runs' probes.csv files (as ``read`` gives them: ``bnexp
+    plot`` passes a reader that warns about an unusable file instead of failing), in ``out_dir``;
+    the paths."""
     if not run_dirs:
         return []
-    frames = [drawable(d).assign(run=label) for d, label in zip(run_dirs, run_labels(run_dirs))]
+    frames = [drawable(d, read).assign(run=label) for d, label in zip(run_dirs, run_labels(run_dirs))]
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: list[Path] = []
     for probe, rows in pd.concat(frames, ignore_index=True).groupby("probe", sort=False):
@@ -177,10 +179,10 @@ def plot_probes(run_dirs: Sequence[Path], out_dir: Path) -> list[Path]:
     return paths
 
 
-def drawable(run_dir: Path) -> pd.DataFrame:
-    """A run's probes.csv rows of the probes there is a figure for; a file that cannot be
-    used, or rows of a probe bnexp does not know, are named in a warning and left out."""
-    frame = load_probes(run_dir)
+def drawable(run_dir: Path, read: Reader) -> pd.DataFrame:
+    """A run's probes.csv rows (``read(run_dir)``) of the probes there is a figure for; rows of
+    a probe bnexp does not know are named in a warning and left out."""
+    frame = read(run_dir)
     unknown = sorted(set(frame["probe"].astype(str)) - DRAWERS.keys())
     if unknown:
         print_warning(f"{Path(run_dir) / PROBES_FILE}: {unknown_choice('probe', unknown[0], DRAWERS)}; "
@@ -188,6 +190,6 @@ def drawable(run_dir: Path) -> pd.DataFrame:
     return frame[frame["probe"].astype(str).isin(DRAWERS.keys())]
 
 
-def plot_results(results: Path, out_dir: Path) -> list[Path]:
+def plot_results(results: Path, out_dir: Path, read: Reader = read_probes) -> list[Path]:
     """:func:`plot_probes` over every run under ``results`` that has a probes.csv."""
-    return plot_probes(sorted(p.parent for p in Path(results).rglob(PROBES_FILE)), out_dir)
+    return plot_probes(sorted(p.parent for p in Path(results).rglob(PROBES_FILE)), out_dir, read)

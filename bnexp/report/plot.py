@@ -24,7 +24,7 @@ from bnexp.errors import ConfigError  # noqa: E402
 from bnexp.probes.plot import literal, plot_results  # noqa: E402
 from bnexp.report.layouts import Layout, same  # noqa: E402
 from bnexp.report.presets import Preset, load_preset, parse_command, sweep_folder  # noqa: E402
-from bnexp.report.results import load_metrics, load_summaries  # noqa: E402
+from bnexp.report.results import load_metrics, load_probes, load_summaries  # noqa: E402
 from bnexp.report.table import OUT_ELSEWHERE, choose, combos, preset_runs, select, varying  # noqa: E402
 from bnexp.runinfo import atomic_write  # noqa: E402
 
@@ -169,6 +169,6 @@ def plot_for(args: list[str]) -> None:
         out = Path(opts["out"] or results / "plots")
         paths = plot(p, results, out, opts["metrics"].split(","), [v for v in opts["rows"].split(",") if v])
     with output_errors(f"cannot write {out}", OUT_ELSEWHERE):
-        paths += plot_results(results, out)
+        paths += plot_results(results, out, load_probes)
     for path in paths:
         print(path)
