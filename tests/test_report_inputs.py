@@ -208,3 +208,17 @@ def test_a_run_without_a_key_the_others_vary_has_its_own_row(tmp_path: Path, cap
     code, out = run_cli(["table", str(tmp_path)], capsys)
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("|")]
     assert code == 0 and rows[2:] == [["relu", "0.1", "80.00 (1)"], ["tanh", "(not set)", "70.00 (1)"]], out
+
+
+def test_a_metric_that_is_not_a_number_is_one_line(results: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for act, seconds in (("relu", "abc"), ("tanh", 12.0), ("sigmoid", 14.0)):
+        rewrite_summary(results / act / "summary.json", wall_seconds=seconds)
+    code, out = run_cli(["table", str(results), "metric=wall_seconds"], capsys)
+    summary = results / "relu" / "summary.json"
+    assert code == 0 and [line for line in out.splitlines() if line.startswith("bnexp:")] == [
+        f"bnexp: warning: {summary}: wall_seconds is 'abc', not a number; the run counts as failed"], out
+    assert "12.00 (1)" in out and "– (0; 1 failed)" in out, out
+    code, out = run_cli(["table", str(results), "metric=status"], capsys)
+    assert code == 2 and out.splitlines()[1:] == [  # after the warning about relu's summary, again
+        "bnexp: error: metric='status': no run recorded it as a number; valid: top1, top5, seconds_per_epoch, "
+        "final_top1"], out

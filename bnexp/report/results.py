@@ -27,7 +27,7 @@ from bnexp.identity import fingerprint, flatten, result_config
 from bnexp.probes.callback import COLUMNS, PROBES_FILE, read_probes
 
 # The summary fields that tables and plots compute with: a number or null in any summary.
-NUMERIC_FIELDS = re.compile(r"(final|best)_\w+|steps_per_epoch|num_classes")
+NUMERIC_FIELDS = re.compile(r"(final|best)_\w+|steps_per_epoch|num_classes|wall_seconds|epochs|steps|params")
 
 
 def parsed(path: Path, parse: Callable[[Path], Any], errors: tuple[type[Exception], ...] = (OSError, ValueError)) -> Any:

@@ -502,9 +502,9 @@ def sweep_text(folder: Path, options: Mapping[str, str]) -> str:
     cols = [k for k in options["cols"].split(",") if k]
     rows = [k for k in options["rows"].split(",") if k] or [k for k in varying(frame) if k not in cols]
     metric = METRICS.get(options["metric"], options["metric"])
-    if metric not in frame:
+    if metric not in frame or not pd.api.types.is_numeric_dtype(frame[metric]):
         numeric = [c for c in frame.columns if c.startswith(("final_", "best_"))]
-        raise ConfigError(f"metric={options['metric']!r}: no run recorded it; valid: {', '.join(METRICS)}, "
+        raise ConfigError(f"metric={options['metric']!r}: no run recorded it as a number; valid: {', '.join(METRICS)}, "
                           f"{', '.join(numeric)}")
     table = sweep_table(frame, rows, cols, metric, METRIC_LABELS.get(options["metric"], options["metric"]))
     figure = None
