@@ -15,6 +15,11 @@ def print_error(message: str) -> None:
     print(f"bnexp: error: {message}", file=sys.stderr, flush=True)
 
 
+def print_warning(message: str) -> None:
+    """Print one warning line to stderr (the command goes on)."""
+    print(f"bnexp: warning: {message}", file=sys.stderr, flush=True)
+
+
 def split_options(args: Sequence[str], defaults: Mapping[str, object]) -> tuple[dict[str, str], list[str]]:
     """``key=value`` arguments -> (the command's own options given, the rest as Hydra overrides).
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import pandas as pd
 from scipy import stats as scipy_stats
 
-from bnexp.commands import exit_on_error
+from bnexp.commands import exit_on_error, output_errors
 from bnexp.errors import ConfigError, unknown_choice
 from bnexp.identity import differences, is_non_result
 from bnexp.reference import published
@@ -34,14 +34,19 @@ from bnexp.report.layouts import METRIC_LABELS, METRICS, Layout, same
 from bnexp.report.presets import SEED, Preset, load_preset, parse_command, sweep_folder
 from bnexp.report.results import load_summaries, seconds_per_epoch
 from bnexp.report.stability import largest_stable
+from bnexp.runinfo import atomic_write
 
 FORMATS = ("markdown", "latex", "csv", "html")
+OUT_ELSEWHERE = "choose another place with out=PATH"  # when an output cannot be written
 # Characters of bnexp's tables that pdflatex does not take as they are, and what it takes.
 LATEX_TEXT = {"±": r"$\pm$", "Δ": r"$\Delta$", "–": "--", "×": r"$\times$", "ρ": r"$\rho$", "η": r"$\eta$",
               "κ": r"$\kappa$", "τ": r"$\tau$", "≤": r"$\leq$", "≥": r"$\geq$"}
 LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
                  "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
 LEVEL = 0.05  # level of the two-sided Welch test of a cell against its published mean ± std
+# Characters of cell texts that would change a markdown table: raw HTML, a column break, a backslash
+# escape, a line break; written as markdown shows them as text.
+MARKDOWN_SPECIAL = {"\\": "\\\\", "|": "\\|", "<": "\\<", "\n": " ", "\r": " "}
 LEGEND = ("cell: mean ± std (completed runs; diverged, failed and missing runs); "
           "paper: the published value; Δ: ours minus paper")
 TEST_LEGEND = (f"test: two-sided Welch t-test of our runs against the published mean ± std and run count at level "
@@ -264,7 +269,8 @@ def render(table: pd.DataFrame, fmt: str, title: str, figure: bytes | None = Non
     """Markdown (pandas + tabulate), LaTeX (pandas Styler, booktabs), CSV, or a
     self-contained HTML page (with ``figure``, a PNG, embedded)."""
     if fmt == "markdown":
-        return f"{title}\n\n{table.to_markdown(index=False, disable_numparse=True)}\n\n{legend}\n"
+        text = table.map(markdown_text).rename(columns=markdown_text).to_markdown(index=False, disable_numparse=True)
+        return f"{markdown_text(title)}\n\n{text}\n\n{legend}\n"
     if fmt == "latex":
         return latex(table, f"{title}. {' '.join(legend.split())}.")
     if fmt == "csv":
@@ -297,6 +303,11 @@ def grouped(table: pd.DataFrame) -> pd.DataFrame:
     out = table.copy()
     out.columns = pd.MultiIndex.from_tuples(header)
     return out
+
+
+def markdown_text(text: Any) -> str:
+    """``text`` as markdown shows it (values in run folders may hold HTML or a ``|``)."""
+    return "".join(MARKDOWN_SPECIAL.get(c, c) for c in str(text))
 
 
 def latex_text(text: str) -> str:
@@ -333,8 +344,10 @@ def latex(table: pd.DataFrame, caption: str) -> str:
 
 
 def html_page(table: pd.DataFrame, title: str, figure: bytes | None, legend: str) -> str:
-    """One HTML file holding the table (grouped headers), its legend and ``figure``."""
-    body = grouped(table).style.hide(axis="index").to_html()
+    """One HTML file holding the table (grouped headers), its legend and ``figure``; every
+    text in it escaped (cells and headers hold values from run folders, which anyone may
+    have written)."""
+    body = grouped(table).style.hide(axis="index").format(escape="html").format_index(escape="html", axis=1).to_html()
     image = "" if figure is None else f'<p><img alt="training curves" src="data:image/png;base64,' \
         f'{base64.b64encode(figure).decode()}"></p>'
     style = ("body{font-family:sans-serif;margin:2em} table{border-collapse:collapse} "
@@ -412,6 +425,7 @@ def table_text(p: Preset, results: Path, fmt: str = "markdown") -> str:
 # ---- any sweep's folder ----------------------------------------------------------------
 SWEEP_OPTIONS = {"rows": "", "cols": "", "metric": "top1", "format": "markdown", "out": ""}
 REPLICATES = ("trainer.seed",)  # overrides whose runs a cell pools
+UNSET = "(not set)"  # a row or column key of a run that its overrides do not give
 
 
 def varying(frame: pd.DataFrame) -> list[str]:
@@ -440,24 +454,41 @@ def ordered(values: pd.Series) -> list[Any]:
         return sorted(distinct, key=str)
 
 
+def keyed(frame: pd.DataFrame, columns: Sequence[str]) -> list[tuple[str, ...]]:
+    """Each run's values of ``columns``, as text (:data:`UNSET` where it has none)."""
+    def text(value: Any) -> str:
+        return UNSET if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+
+    return [tuple(map(text, values)) for values in zip(*(frame[c] for c in columns))] if columns else [()] * len(frame)
+
+
+def combinations(keys: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """The distinct ``keys`` (:func:`keyed`), ordered key by key as :func:`ordered` orders
+    values, :data:`UNSET` last: only the combinations that runs have, never more than runs."""
+    found = set(keys)
+    ranks = [{v: i for i, v in enumerate(ordered(pd.Series([v for v in values if v != UNSET], dtype=object)))}
+             for values in zip(*found)]
+    return sorted(found, key=lambda combo: tuple(rank.get(v, len(rank)) for rank, v in zip(ranks, combo)))
+
+
 def sweep_table(frame: pd.DataFrame, rows: Sequence[str], cols: Sequence[str], metric: str,
                 label: str = "") -> pd.DataFrame:
     """Cells ``mean ± std (n; diverged, failed)`` of ``metric`` (headed ``label``) for every
-    combination of the ``rows`` keys (one line each) and the ``cols`` keys (one column each)."""
+    combination of the ``rows`` keys (one line each) and the ``cols`` keys (one column each)
+    that some run has: each run in exactly one cell, the table no larger than the runs make it."""
     valid = varying(frame)
-    row_cols = [column_of(frame, k, valid) for k in rows]
-    col_cols = [column_of(frame, k, valid) for k in cols]
-    row_keys = list(itertools.product(*(ordered(frame[c]) for c in row_cols))) or [()]
-    col_keys = list(itertools.product(*(ordered(frame[c]) for c in col_cols))) or [()]
+    row_of = keyed(frame, [column_of(frame, k, valid) for k in rows])
+    col_of = keyed(frame, [column_of(frame, k, valid) for k in cols])
+    cells: dict[tuple[tuple[str, ...], tuple[str, ...]], list[int]] = {}
+    for i, key in enumerate(zip(row_of, col_of)):
+        cells.setdefault(key, []).append(i)
+    columns = combinations(col_of)
     lines = []
-    for row in row_keys:
-        runs = select(frame, dict(zip(row_cols, row)))
-        if runs.empty:
-            continue
-        line = {key: str(value) for key, value in zip(rows, row)} or {"runs": "all"}
-        for col in col_keys:
+    for row in combinations(row_of):
+        line = dict(zip(rows, row)) or {"runs": "all"}
+        for col in columns:
             name = " ".join(f"{k}={v}" for k, v in zip(cols, col)) or label or metric
-            line[name] = stats(select(runs, dict(zip(col_cols, col))), metric, 0).text("")
+            line[name] = stats(frame.iloc[cells.get((row, col), [])], metric, 0).text("")
         lines.append(line)
     return pd.DataFrame(lines)
 
@@ -471,9 +502,9 @@ def sweep_text(folder: Path, options: Mapping[str, str]) -> str:
     cols = [k for k in options["cols"].split(",") if k]
     rows = [k for k in options["rows"].split(",") if k] or [k for k in varying(frame) if k not in cols]
     metric = METRICS.get(options["metric"], options["metric"])
-    if metric not in frame:
+    if metric not in frame or not pd.api.types.is_numeric_dtype(frame[metric]):
         numeric = [c for c in frame.columns if c.startswith(("final_", "best_"))]
-        raise ConfigError(f"metric={options['metric']!r}: no run recorded it; valid: {', '.join(METRICS)}, "
+        raise ConfigError(f"metric={options['metric']!r}: no run recorded it as a number; valid: {', '.join(METRICS)}, "
                           f"{', '.join(numeric)}")
     table = sweep_table(frame, rows, cols, metric, METRIC_LABELS.get(options["metric"], options["metric"]))
     figure = None
@@ -508,6 +539,7 @@ def text_for(args: list[str]) -> str:
     if options["format"] != "html":
         return text
     page = Path(options["out"] or results / "table.html")
-    page.parent.mkdir(parents=True, exist_ok=True)
-    page.write_text(text, encoding="utf-8")
+    with output_errors(f"cannot write {page}", OUT_ELSEWHERE):
+        page.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(page, lambda f: f.write(text.encode("utf-8")))
     return f"{page}\n"
