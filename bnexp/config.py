@@ -144,7 +144,7 @@ def meaningless(cfg: DictConfig, given: Iterable[str]) -> None:
         reason = None
         if norm.get("layer") is None:
             reason = f"norm={norm.name} has no normalization layers"
-        elif name in ("join", "classifier") and norm.get("placement") != "before_op":
+        elif name in ("join", "classifier", "input") and norm.get("placement") != "before_op":
             reason = "it applies to norm.placement=before_op only"
         elif name == "sync" and not NORM_LAYERS.get(norm.layer).batch_statistics:
             reason = f"norm={norm.name} uses no batch statistics to synchronize"

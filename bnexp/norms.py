@@ -2,7 +2,7 @@
 
 A ``norm`` preset (``configs/norm/*.yaml``) names a ``layer`` (a key of :data:`NORM_LAYERS`,
 or null for no normalization), that layer's keyword arguments, and how a model places it
-(``placement``, ``join``, ``classifier``, ``op_bias``). :func:`create_norm` builds one module
+(``placement``, ``join``, ``classifier``, ``input``, ``op_bias``). :func:`create_norm` builds one module
 from a name, a class or any callable, as timm's ``create_norm_layer`` does: ``norm=cbn``
 builds :class:`bnexp.nn.CBN2d`, the class users import. :func:`build_norm_spec` turns a
 preset into the :class:`NormSpec` the model builder (:mod:`bnexp.models.layers`) asks for
@@ -148,6 +148,7 @@ class NormSpec:
     options: Mapping[str, Any] = field(default_factory=dict)  # the layer's keyword arguments
     join: str = AFTER_ACT  # before_op residual joins (norm.join)
     classifier: bool = True  # before_op: a normalization in front of the final Linear (norm.classifier)
+    input: bool = True  # before_op: a normalization of the network's input, in front of the stem (norm.input)
     batch_statistics: bool = False  # the training forward normalizes with statistics over the batch
 
     @property
@@ -188,9 +189,10 @@ def build_norm_spec(cfg: Mapping[str, Any]) -> NormSpec:
     join = cfg.get("join", AFTER_ACT)
     if join not in JOINS:
         raise unknown_choice("norm.join", join, JOINS)
-    classifier = cfg.get("classifier", True)
-    if not isinstance(classifier, bool):
-        raise ConfigError(f"norm.classifier must be true or false, got {classifier!r}")
+    classifier, normalize_input = cfg.get("classifier", True), cfg.get("input", True)
+    for key, value in (("classifier", classifier), ("input", normalize_input)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"norm.{key} must be true or false, got {value!r}")
     layer = cfg.get("layer")
     options = layer_options(cfg) if layer is not None else {}
     if layer is not None:
@@ -206,4 +208,5 @@ def build_norm_spec(cfg: Mapping[str, Any]) -> NormSpec:
     if not isinstance(op_bias, bool):
         raise ConfigError(f"norm.op_bias must be true, false or null, got {op_bias!r}")
     return NormSpec(name=cfg.get("name", str(layer)), placement=placement, op_bias=op_bias, layer=layer,
-                    options=options, join=join, classifier=classifier, batch_statistics=uses_batch_statistics(cfg))
+                    options=options, join=join, classifier=classifier, input=normalize_input,
+                    batch_statistics=uses_batch_statistics(cfg))
