@@ -105,7 +105,8 @@ register_norm("batchnorm", batch_norm(NormFamily1d, nn.BatchNorm1d), batch_norm(
 register_norm("norm_family", NormFamily1d, NormFamily2d, FAMILY_KEYS)  # bnexp's implementation always
 register_norm("cbn", CBN1d, CBN2d, FAMILY_KEYS)
 register_norm("popnorm", POPNorm1d, POPNorm2d, FAMILY_KEYS)
-register_norm("batch_renorm", BatchRenorm1d, BatchRenorm2d, ("r_max", "d_max", "momentum", "eps", "ramp_steps", "sync"))
+register_norm("batch_renorm", BatchRenorm1d, BatchRenorm2d, ("r_max", "d_max", "momentum", "eps",
+              "relax_start", "r_max_step", "d_max_step", "sync"))
 register_norm("bn_si", ScaleInvariantBN1d, ScaleInvariantBN2d, ("eps", "momentum", "sync"))  # bound to its op later
 register_norm("groupnorm", group_norm, group_norm, ("groups", "eps"), batch_statistics=False)
 register_norm("layernorm", nn.LayerNorm, layer_norm_images, ("eps",), batch_statistics=False)

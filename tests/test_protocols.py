@@ -4,6 +4,7 @@ renorm defaults, Ioffe's renorm schedule, BNP ResNet-110's warmups and initializ
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from bnexp.models import DataSpec, build_model
-from bnexp.nn import BatchRenorm1d, POPNorm2d
+from bnexp.nn import BatchRenorm, BatchRenorm1d, POPNorm2d
 from tests.conftest import TINY, compose_cfg, run_cli
 
 
@@ -57,3 +58,38 @@ def test_norm_input_must_be_a_boolean(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.chdir(tmp_path)
     code, out = run_cli(["train", *TINY, "norm=cbn", "norm.input=maybe"], capsys)
     assert code == 2 and "norm.input must be true or false, got 'maybe'" in out and "Traceback" not in out
+
+
+def modules_of(cfg, kind: type, size: int = 8) -> list[nn.Module]:
+    """The ``kind`` modules of the model ``cfg`` builds for 3 x size x size images."""
+    model = build_model(cfg.model, cfg.norm, cfg.act.name, DataSpec(10, 3, size))
+    return [m for m in model.modules() if isinstance(m, kind)]
+
+
+@pytest.mark.parametrize("preset", ["bnp/fc", "bnp/cnn5"])
+def test_bnp_tensorflow_nets_use_tensorflows_bn_defaults(preset: str) -> None:
+    """TF 1.13's BN: moving averages new = 0.99 old + 0.01 batch, eps 1e-3; the PyTorch
+    ResNet presets keep PyTorch's 0.1 and 1e-5."""
+    size = 32 if preset == "bnp/cnn5" else 8
+    bns = modules_of(compose_cfg([f"experiment={preset}", "norm=bn", "trainer.batch_size=128"]),
+                     nn.modules.batchnorm._BatchNorm, size)
+    assert bns and all((m.eps, m.momentum) == (1e-3, 0.01) for m in bns)
+    bn = bns[0].train()
+    x = torch.randn(64, bn.num_features, *([3, 3] if isinstance(bn, nn.BatchNorm2d) else [])) + 2.0
+    bn(x)
+    batch_mean = x.transpose(0, 1).reshape(bn.num_features, -1).mean(1)
+    torch.testing.assert_close(bn.running_mean, 0.01 * batch_mean)  # 0.99 * 0 + 0.01 * batch
+    ln = modules_of(compose_cfg(["experiment=bnp/fc", "norm=ln", "paper_data=cifar10"]), nn.LayerNorm)
+    assert ln and all(m.eps == 1e-3 for m in ln)
+    resnet = modules_of(compose_cfg(["experiment=bnp/resnet110", "norm=bn", "model.width=4"]), nn.BatchNorm2d)
+    assert resnet and all((m.eps, m.momentum) == (1e-5, 0.1) for m in resnet)
+
+
+@pytest.mark.parametrize("preset,batch", [("bnp/fc", 6), ("bnp/cnn5", 2)])
+def test_bnp_tensorflow_nets_use_tensorflows_batch_renorm(preset: str, batch: int) -> None:
+    """TF's default renorm: no clipping at any step, momentum 0.99 (bnexp's 0.01), eps 1e-3."""
+    size = 32 if preset == "bnp/cnn5" else 8
+    cfg = compose_cfg([f"experiment={preset}", "norm=brn", f"trainer.batch_size={batch}", "paper_data=cifar10"])
+    brns = modules_of(cfg, BatchRenorm, size)
+    assert brns and all((m.r_max, m.d_max, m.eps, m.momentum) == (None, None, 1e-3, 0.01) for m in brns)
+    assert brns[0].limits() == (math.inf, math.inf)
