@@ -161,7 +161,7 @@ def validate(cfg: DictConfig) -> None:
     for key in ("optim.wd_w", "optim.wd_g"):
         _optional(cfg, key, lambda v: v >= 0, "a number >= 0")
     _optional(cfg, "model.width", lambda v: v >= 1, "an integer >= 1", integer=True)
-    for key in ("model.width_mult", "model.depth_mult"):
+    for key in ("model.width_mult", "model.depth_mult", "model.init_scale"):
         _optional(cfg, key, lambda v: v > 0, "a number > 0")
     for key in ("model.dropout", "model.stochastic_depth"):
         _optional(cfg, key, lambda v: 0 <= v < 1, "in [0, 1)")

@@ -196,6 +196,15 @@ def init_ops(
                 nn.init.zeros_(m.bias)
 
 
+def scale_init(model: nn.Module, factor: float) -> None:
+    """Multiply the initial weight of every conv and linear layer by ``factor``
+    (``model.init_scale``: BNP+GN's "He-Normal weight initialization scaled by 0.1")."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                m.weight.mul_(factor)
+
+
 def he_normal_init(model: nn.Module) -> None:
     """He-normal (fan-in) weights for every conv and linear layer, zero biases."""
     init_ops(model, nn.init.kaiming_normal_)
