@@ -144,7 +144,7 @@ def meaningless(cfg: DictConfig, given: Iterable[str]) -> None:
         reason = None
         if norm.get("layer") is None:
             reason = f"norm={norm.name} has no normalization layers"
-        elif name in ("join", "classifier") and norm.get("placement") != "before_op":
+        elif name in ("join", "classifier", "input") and norm.get("placement") != "before_op":
             reason = "it applies to norm.placement=before_op only"
         elif name == "sync" and not NORM_LAYERS.get(norm.layer).batch_statistics:
             reason = f"norm={norm.name} uses no batch statistics to synchronize"
@@ -161,7 +161,7 @@ def validate(cfg: DictConfig) -> None:
     for key in ("optim.wd_w", "optim.wd_g"):
         _optional(cfg, key, lambda v: v >= 0, "a number >= 0")
     _optional(cfg, "model.width", lambda v: v >= 1, "an integer >= 1", integer=True)
-    for key in ("model.width_mult", "model.depth_mult"):
+    for key in ("model.width_mult", "model.depth_mult", "model.init_scale"):
         _optional(cfg, key, lambda v: v > 0, "a number > 0")
     for key in ("model.dropout", "model.stochastic_depth"):
         _optional(cfg, key, lambda v: 0 <= v < 1, "in [0, 1)")

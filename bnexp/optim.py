@@ -94,14 +94,18 @@ def to_steps(value: float, unit: str, steps_per_epoch: int) -> int:
 
 def build_schedule(optimizer: Optimizer, cfg: Mapping[str, Any], steps_per_epoch: int) -> LRScheduler:
     """A per-step schedule: multistep decay (milestones in epochs or steps) or constant,
-    optionally multiplied by a warmup over the first ``warmup`` units."""
+    optionally multiplied by a warmup over the first ``warmup`` units (``warmup_unit``,
+    default the milestones' ``unit``: He et al.'s 400 steps in an epoch schedule)."""
     name = cfg["name"]
     if name not in SCHEDULES:
         raise unknown_choice("schedule.name", name, SCHEDULES)
     unit = cfg.get("unit", "epoch")
     milestones = [to_steps(m, unit, steps_per_epoch) for m in cfg.get("milestones", [])] if name == "multistep" else []
     parts: list[LRScheduler] = [MultiStepLR(optimizer, milestones, gamma=cfg.get("gamma", 0.1))]
-    warmup = to_steps(cfg.get("warmup", 0), unit, steps_per_epoch)
+    warmup_unit = cfg.get("warmup_unit") or unit
+    if warmup_unit not in UNITS:
+        raise unknown_choice("schedule.warmup_unit", warmup_unit, UNITS)
+    warmup = to_steps(cfg.get("warmup", 0), warmup_unit, steps_per_epoch)
     if warmup > 0:
         mode, factor = cfg.get("warmup_mode", "constant"), cfg.get("warmup_factor", 0.1)
         if mode not in WARMUPS:

@@ -188,7 +188,7 @@ class Pack:
         self.test, self.num_classes = test, num_classes  # the test batches every run is evaluated on
         self.state = state
         self.net = net
-        self.shared = shared  # the methods' hooks (AMAT lr, BNP, renorm ramp), one for all runs
+        self.shared = shared  # the methods' hooks (AMAT lr, BNP), one for all runs
         self.freezer = freezer
         self.callbacks = [*shared, *(m.weights_log for m in members), freezer]
         self.meter = TrainMeter(state.device, len(members))

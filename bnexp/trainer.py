@@ -278,7 +278,7 @@ def build_callbacks(cfg: DictConfig) -> list[Callback]:
 
     1. the probes (``probes=[...]``): in ``after_backward`` they must read the gradients the
        step computed, before anything rewrites them;
-    2. the methods' hooks: AMAT's learning rate, BNP's gradient rewrite, batch renorm's ramp,
+    2. the methods' hooks: AMAT's learning rate, BNP's gradient rewrite,
        the scale-invariant weights' log;
     3. the logger (``logger=...``), which mirrors what the others produced.
     """
