@@ -34,6 +34,14 @@ NON_RESULT_KEYS = (
     "data.download",
     "data.verify",
 )
+# Settings added after runs were recorded, each at the value that computes what runs did
+# before it existed. At that value a setting is left out of the fingerprint, so a run
+# recorded earlier is still found as "completed" (or resumed); any other value is in it.
+NEUTRAL_SINCE_ADDED: dict[str, Any] = {
+    "norm.input": True,            # before_op nets normalize their input (2026-11-24)
+    "model.init_scale": 1,         # the model's own initialization, unscaled (2026-11-24)
+    "schedule.warmup_unit": None,  # the warmup counted in schedule.unit (2026-11-24)
+}
 # Group choices left out of the names of a sweep's cells (:func:`cell_name`) only: a preset
 # names its own sweep folder, and what either sets is in the config (so in the fingerprint).
 PRESET_KEYS = ("experiment", "scale")
@@ -92,7 +100,8 @@ def result_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """The resolved config as dotted keys, without the settings that do not change the result."""
     tree = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     tree.pop("hydra", None)
-    return {k: _canonical(v) for k, v in flatten(tree).items() if not _covered(k, NON_RESULT_KEYS)}
+    flat = {k: _canonical(v) for k, v in flatten(tree).items() if not _covered(k, NON_RESULT_KEYS)}
+    return {k: v for k, v in flat.items() if k not in NEUTRAL_SINCE_ADDED or v != NEUTRAL_SINCE_ADDED[k]}
 
 
 def _canonical(value: Any) -> Any:

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from bnexp import checkpoint
 from bnexp.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, ConfigError
-from bnexp.identity import cell_name, fingerprint, run_name
+from bnexp.identity import NEUTRAL_SINCE_ADDED, cell_name, fingerprint, run_name
 from bnexp.runlock import LOCK_NAME
 from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli, run_dir_of
 from tests.test_resilience import CrashAt, assert_same_run, cli_command, run_inprocess, wait_for_checkpoint
@@ -91,6 +92,22 @@ def test_fingerprint_and_directory_name_follow_the_result_settings() -> None:
     assert cell_name(["experiment=cbn/table1", "scale=quick", "act=tanh"]) == "act=tanh"  # in the preset's folder
     long = run_name([f"tags.x={'a' * 300}", "optim.lr=" + "1" * 300])
     assert len(long) <= 200 and long.startswith("optim.lr=111")
+
+
+@pytest.mark.parametrize("overrides", [[], ["model=vgg16", "norm=cbn"], ["norm=bnp", "model=resnet110"], ["norm=none"]])
+def test_settings_added_later_keep_older_fingerprints_at_their_neutral_value(overrides: list[str]) -> None:
+    """norm.input, model.init_scale and schedule.warmup_unit came after runs were recorded:
+    at the value that computes what those runs did, a config fingerprints as if the key
+    were absent (the config an older bnexp wrote); any other value is another run."""
+    cfg = compose_cfg([*TINY, *overrides])
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    for key in NEUTRAL_SINCE_ADDED:
+        group, name = key.split(".")
+        # the shipped default is the neutral one (norm.input exists only for norms that have a placement)
+        assert tree[group].pop(name, NEUTRAL_SINCE_ADDED[key]) == NEUTRAL_SINCE_ADDED[key], key
+    assert fingerprint(cfg) == fingerprint(tree)
+    for other in ("model.init_scale=0.5", "schedule.warmup_unit=step"):
+        assert fingerprint(compose_cfg([*TINY, *overrides, other])) != fingerprint(cfg), other
 
 
 def test_resume_from_a_checkpoint_of_other_settings_is_refused(tmp_path: Path) -> None:
