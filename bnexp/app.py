@@ -113,9 +113,9 @@ def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[
     try:
         outcomes = work()
     except Preempted as err:
-        for run_dir in run_dirs:  # a run of a pack may have diverged before the signal
-            diverged = stored_summary(run_dir).get("status") == "diverged"
-            record(run_dir, "diverged" if diverged else err.status, str(err))
+        for run_dir in run_dirs:  # a run may have diverged before the signal, or completed as it came
+            finished = stored_summary(run_dir).get("status")
+            record(run_dir, finished if finished in ("diverged", "completed") else err.status, str(err))
         report_error(f"{err}; re-run the same command to resume {where}")
         sys.exit(err.exit_code)
     except KeyboardInterrupt:

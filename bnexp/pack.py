@@ -61,6 +61,7 @@ from bnexp.trainer import (
     eval_row,
     evaluate,
     record_eval,
+    stop_if_signalled,
     total_steps,
     train_step,
 )
@@ -414,8 +415,9 @@ def train_pack_steps(pack: Pack, loaders: list[Any]) -> None:
                 pack.evaluate(lr)
             running = [m.summary for m in pack.members if m.status == "running"]
             checkpoint_or_stop(guard, clock, state, last, pack.save_periodic, running)
-    bar.close()
-    finish(pack, lr)
+        bar.close()
+        finish(pack, lr)  # a signal while the final checkpoints are written waits for them
+        stop_if_signalled(guard)
 
 
 def finish(pack: Pack, lr: float) -> None:
@@ -462,6 +464,7 @@ def train_pack(cfgs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> list[dic
     members = []
     for i, (cfg, run_dir) in enumerate(zip(cfgs, run_dirs)):
         run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint.remove_partial_files(run_dir)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         summary = {"status": "failed", **version_stamp(), "fingerprint": fingerprint(cfg),
                    "config": OmegaConf.to_container(cfg, resolve=True)}

@@ -27,7 +27,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from bnexp.checkpoint import FINAL, periodic_checkpoints, verified_bytes
+from bnexp.checkpoint import FINAL, resume_candidates, verified_bytes
 from bnexp.config import lr_not_applicable
 from bnexp.errors import EXIT_FAILED, ConfigError, OtherRunThere
 from bnexp.identity import cell_name, differences, fingerprint, override_key
@@ -138,7 +138,7 @@ def skip_reason(cfg: DictConfig, run_dir: Path) -> Optional[str]:
         return None
     status = summary.get("status")
     finished = status in FINISHED
-    if not finished and (str(cfg.trainer.resume) != "auto" or not periodic_checkpoints(run_dir)):
+    if not finished and (str(cfg.trainer.resume) != "auto" or not resume_candidates(run_dir)):
         return None  # nothing to skip or to resume from
     there = summary.get("config") or {}
     if fingerprint(there) != fingerprint(cfg):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import sys
 import time
 import traceback
@@ -222,8 +223,8 @@ class Run:
                 raise ConfigError(f"trainer.resume={mode}: {err}") from err
         else:
             found = checkpoint.newest_valid(run_dir)
-            if found is None and checkpoint.periodic_checkpoints(run_dir):
-                log.warning("no valid checkpoint in %s: starting over", run_dir / checkpoint.CHECKPOINT_DIR)
+            if found is None and checkpoint.resume_candidates(run_dir):
+                log.warning("no valid checkpoint in %s: starting over", run_dir)
         if found is not None:
             written_with = found[1].get("config", {})
             if fingerprint(written_with) != fingerprint(cfg):
@@ -326,14 +327,28 @@ def checkpoint_or_stop(guard: PreemptionGuard, clock: CheckpointClock, state: Tr
     status and raise :class:`Preempted`; otherwise a periodic checkpoint when ``clock`` says so."""
     if guard.agreed():
         save()
-        stop = Preempted(guard.signum)
         for summary in summaries:
-            summary.update(status=stop.status, steps=state.step, epochs=round(state.epoch, 4))
-        guard.forward()
-        raise stop
+            summary.update(status=Preempted(guard.signum).status, steps=state.step, epochs=round(state.epoch, 4))
+        stop(guard)
     if not last and clock.due(state.step):
         save()
         clock.saved()
+
+
+def stop(guard: PreemptionGuard) -> None:
+    """Hand the received signal to the handler installed before ours, then raise :class:`Preempted`."""
+    guard.forward()
+    raise Preempted(guard.signum)
+
+
+def stop_if_signalled(guard: PreemptionGuard) -> None:
+    """After a run's final checkpoint: a signal that came while it was written (or after the
+    last step's check) leaves the run completed, then stops the process as any signal does,
+    so that a sweep stops there too."""
+    if guard.agreed():
+        log.warning("%s came while the run finished: the run is complete and stops here",
+                    signal.Signals(guard.signum).name)
+        stop(guard)
 
 
 class CheckpointClock:
@@ -424,18 +439,20 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
                    loader=loaders.kind, world_size=d.world_size, num_classes=bundle.spec.num_classes)
     for cb in run.callbacks:
         cb.on_train_start(state)
-    with ended_on_stop(run.callbacks, state):  # trackers close as preempted or failed on a stop
-        run.resume(str(cfg.trainer.resume))
-        status, lr = run_steps(run, loaders, bundle.spec.num_classes)
-        finish_run(run, status, loaders.test, bundle.spec.num_classes, lr)
-    for cb in run.callbacks:
-        cb.on_train_end(state, status)
+    with PreemptionGuard() as guard:  # a signal while the final checkpoint is written waits for it
+        with ended_on_stop(run.callbacks, state):  # trackers close as preempted or failed on a stop
+            run.resume(str(cfg.trainer.resume))
+            status, lr = run_steps(run, loaders, bundle.spec.num_classes, guard)
+            finish_run(run, status, loaders.test, bundle.spec.num_classes, lr)
+        for cb in run.callbacks:
+            cb.on_train_end(state, status)
+        stop_if_signalled(guard)
 
 
-def run_steps(run: Run, loaders: Loaders, num_classes: int) -> tuple[str, float]:
+def run_steps(run: Run, loaders: Loaders, num_classes: int, guard: PreemptionGuard) -> tuple[str, float]:
     """Train from the run's current step to its last: log, evaluate and checkpoint on their
     schedules. Returns the status (completed, or diverged at a non-finite training loss) and
-    the last step's lr; a signal checkpoints and raises :class:`Preempted`."""
+    the last step's lr; a signal (``guard``) checkpoints and raises :class:`Preempted`."""
     state, cfg = run.state, run.state.cfg
     eval_every = max(1, to_steps(cfg.trainer.eval_every, cfg.trainer.eval_unit, state.steps_per_epoch))
     log_every = int(cfg.trainer.log_every)
@@ -445,26 +462,25 @@ def run_steps(run: Run, loaders: Loaders, num_classes: int) -> tuple[str, float]
     bar = tqdm(total=state.total_steps, initial=state.step, desc="train", disable=not sys.stderr.isatty(),
                dynamic_ncols=True)
     lr, status = state.lr, "completed"
-    with PreemptionGuard() as guard:
-        while state.step < state.total_steps:
-            x, y = next(stream)
-            x, y = x.to(state.device, non_blocking=True), y.to(state.device, non_blocking=True)
-            lr = state.lr
-            logits, loss = train_step(run.net, state.optimizer, run.callbacks, state, x, y)
-            last = end_step(state, run.meter, run.callbacks, loss, logits, y, bar)
-            if state.step % log_every == 0 or state.step % eval_every == 0 or last:
-                train_loss, train_acc = run.meter.read()
-                if not math.isfinite(train_loss):
-                    status = "diverged"
-                    log.warning("non-finite training loss at step %d: stopping (status diverged)", state.step)
-                    break
-                bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.4g}")
-                if bar.disable and state.step % log_every == 0:
-                    log.info("step %d/%d epoch %.2f loss %.4f acc %.2f%% lr %.4g", state.step, state.total_steps,
-                             state.epoch, train_loss, train_acc, lr)
-            if state.step % eval_every == 0 or last:
-                run.evaluate(loaders.test, num_classes, lr)
-            checkpoint_or_stop(guard, clock, state, last, run.save_periodic, [run.summary])
+    while state.step < state.total_steps:
+        x, y = next(stream)
+        x, y = x.to(state.device, non_blocking=True), y.to(state.device, non_blocking=True)
+        lr = state.lr
+        logits, loss = train_step(run.net, state.optimizer, run.callbacks, state, x, y)
+        last = end_step(state, run.meter, run.callbacks, loss, logits, y, bar)
+        if state.step % log_every == 0 or state.step % eval_every == 0 or last:
+            train_loss, train_acc = run.meter.read()
+            if not math.isfinite(train_loss):
+                status = "diverged"
+                log.warning("non-finite training loss at step %d: stopping (status diverged)", state.step)
+                break
+            bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.4g}")
+            if bar.disable and state.step % log_every == 0:
+                log.info("step %d/%d epoch %.2f loss %.4f acc %.2f%% lr %.4g", state.step, state.total_steps,
+                         state.epoch, train_loss, train_acc, lr)
+        if state.step % eval_every == 0 or last:
+            run.evaluate(loaders.test, num_classes, lr)
+        checkpoint_or_stop(guard, clock, state, last, run.save_periodic, [run.summary])
     bar.close()
     return status, lr
 
@@ -488,6 +504,7 @@ def train(cfg: DictConfig, run_dir: Path, callbacks: list[Callback] | None = Non
     main_process = distributed.from_environment().is_main  # only rank 0 writes files
     run_dir.mkdir(parents=True, exist_ok=True)
     if main_process:
+        checkpoint.remove_partial_files(run_dir)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     started = time.perf_counter()
     summary: dict[str, Any] = {"status": "failed", **version_stamp(), "fingerprint": fingerprint(cfg),

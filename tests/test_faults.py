@@ -11,6 +11,7 @@ import resource
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from bnexp import checkpoint
-from bnexp.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, ConfigError
+from bnexp.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_PREEMPTED, ConfigError
 from bnexp.identity import cell_name, fingerprint, run_name
 from bnexp.runlock import LOCK_NAME
 from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli, run_dir_of
@@ -348,3 +349,65 @@ def test_each_adhoc_sweep_has_its_own_folder(tmp_path: Path, monkeypatch: pytest
         assert (tmp_path / "results" / "multirun" / folder / "multirun.yaml").is_file()
     code, out = run_cli(first, capsys)  # the same command finds its folder again
     assert code == 0 and "2 cells: 0 completed, 0 diverged, 0 failed, 2 skipped" in out
+
+
+HOOKED = [sys.executable, str(Path(__file__).with_name("fault_hooks.py"))]  # bnexp with a fault at an exact moment
+
+
+def only_run(folder: Path) -> Path:
+    """The one run directory a command run in ``folder`` made (the default run directory)."""
+    (run,) = (folder / "results" / "runs").iterdir()
+    return run
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_final_checkpoint_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The signal waits for the final checkpoint: the run completes, leaves no lock and no
+    temporary file, the process exits 75 as on any SIGTERM, and the re-run skips the run,
+    whose result is an uninterrupted run's."""
+    args = ["train", *TINY, *STEPS]
+    for name in ("signalled", "reference"):
+        (tmp_path / name).mkdir()
+    done = subprocess.run([*HOOKED, "sigterm-in-final-save", *args], cwd=tmp_path / "signalled", capture_output=True,
+                          text=True)
+    assert done.returncode == EXIT_PREEMPTED, done.stderr[-3000:]
+    assert "stopped by SIGTERM" in done.stderr and "Traceback" not in done.stderr
+    run = only_run(tmp_path / "signalled")
+    assert read_summary(run)["status"] == "completed"
+    assert not list(run.rglob("*.tmp")) and not (run / LOCK_NAME).exists()
+    monkeypatch.chdir(tmp_path / "signalled")
+    code, out = run_cli(args, capsys)
+    assert code == 0 and "skipped: already completed" in out
+    monkeypatch.chdir(tmp_path / "reference")
+    assert run_cli(args, capsys)[0] == 0
+    assert_same_run(only_run(tmp_path / "reference"), run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hook,resumed_from", [("sigkill-in-final-save", "checkpoints/step-000000002.pt"),
+                                               ("sigkill-after-final-save", "checkpoint.pt")])
+def test_sigkill_around_the_final_checkpoint_resumes_from_the_newest_one(
+        hook: str, resumed_from: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed while the final checkpoint is written (its temporary file and the lock stay
+    behind) or just after (the periodic checkpoints already removed, no summary yet): the
+    re-run takes over the lock, removes the temporary file, resumes from the newest
+    checkpoint there and ends as an uninterrupted run."""
+    args = ["train", *TINY, *STEPS]
+    for name in ("killed", "reference"):
+        (tmp_path / name).mkdir()
+    done = subprocess.run([*HOOKED, hook, *args], cwd=tmp_path / "killed", capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    run = only_run(tmp_path / "killed")
+    assert (run / LOCK_NAME).exists()
+    monkeypatch.chdir(tmp_path / "killed")
+    code, out = run_cli(args, capsys)
+    assert code == 0, out
+    assert read_summary(run)["resumed_from"] == str(run / resumed_from)
+    removed = f"removing {run / '.checkpoint.pt.tmp'}, left by a write that did not finish"
+    assert (removed in (run / "train.log").read_text()) == (hook == "sigkill-in-final-save")
+    assert not list(run.rglob("*.tmp")) and not (run / LOCK_NAME).exists()
+    monkeypatch.chdir(tmp_path / "reference")
+    assert run_cli(args, capsys)[0] == 0
+    assert_same_run(only_run(tmp_path / "reference"), run)
