@@ -207,8 +207,25 @@ def train_pack_job(jobs: list[Job], sweeping: bool) -> list[Any]:
                     sys.exit(err.exit_code)
         if todo:
             dirs = [job.run_dir for job in todo]
-            values.update(zip(dirs, guarded(dirs, sweeping, lambda: pack_outcomes(todo))))
+            frozen = frozen_runs(jobs, todo)
+            members = [job for job in jobs if job in todo or job in frozen]
+            values.update(zip(dirs, guarded(dirs, sweeping, lambda: pack_outcomes(members, frozen))))
     return [values.get(job.run_dir, math.nan) for job in jobs]
+
+
+def frozen_runs(jobs: list[Job], todo: list[Job]) -> list[Job]:
+    """The runs of ``jobs`` that diverged in the pack that ``todo`` resumes (a pack with just
+    these runs and ``todo``'s): they go back into the pack, frozen, so that it keeps the
+    shapes, and so the rounding, of the pack that was interrupted. None when the pack that
+    diverged had other runs."""
+    resumed = {str(job.run_dir) for job in todo}
+    found = []
+    for job in jobs:
+        summary = {} if job in todo else stored_summary(job.run_dir)
+        if summary.get("status") == "diverged" and resumed <= set(summary.get("packed_with", [])):
+            found.append((job, {str(job.run_dir), *summary["packed_with"]}))
+    whole = resumed | {str(job.run_dir) for job, _ in found}
+    return [job for job, _ in found] if all(pack == whole for _, pack in found) else []
 
 
 def prepare_job(job: Job, write: bool) -> bool:
@@ -226,12 +243,13 @@ def prepare_job(job: Job, write: bool) -> bool:
     return False
 
 
-def pack_outcomes(jobs: list[Job]) -> list[tuple[str, Any]]:
-    """Train ``jobs`` as one pack; (status, final top-1) of each."""
+def pack_outcomes(jobs: list[Job], frozen: Sequence[Job] = ()) -> list[tuple[str, Any]]:
+    """Train ``jobs`` as one pack, those in ``frozen`` (diverged before) frozen in their slots;
+    (status, final top-1) of each of the others."""
     from bnexp.pack import train_pack
 
-    summaries = train_pack([job.cfg for job in jobs], [job.run_dir for job in jobs])
-    for job, summary in zip(jobs, summaries):
+    summaries = train_pack([job.cfg for job in jobs], [job.run_dir for job in jobs], [job in frozen for job in jobs])
+    for job, summary in zip([job for job in jobs if job not in frozen], summaries):
         log.info("%s: status %s, final top-1 %s", job.run_dir, summary["status"], summary.get("final_top1"))
     return [(summary["status"], result_value(summary["status"], summary)) for summary in summaries]
 

@@ -14,7 +14,10 @@ table`` and a plain ``bnexp train`` of one of the runs see no difference. A pack
 from its runs' periodic checkpoints at the newest step all of them hold. A run whose
 training loss turns non-finite is marked ``diverged`` where a run alone would be (at the
 next finite-loss check) and frozen: its loss leaves the sum, and its parameters and
-momentum are zeroed and kept at zero while the others go on.
+momentum are zeroed and kept at zero while the others go on. A pack resumed after one of
+its runs diverged keeps that run, frozen, in its slot (it writes nothing more): the packed
+model keeps its shapes, so the others' float rounding, and so their results, are those of
+the pack never interrupted.
 """
 
 from __future__ import annotations
@@ -84,9 +87,12 @@ class Member:
     rng: dict[str, Any] = field(default_factory=dict)  # its global random state between its batches
     stream: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
     status: str = "running"
+    frozen: bool = False  # diverged before this process: holds its slot in the pack, writes nothing
 
     def __post_init__(self) -> None:
-        self.metrics = MetricsWriter(self.run_dir / "metrics.csv")
+        self.metrics = MetricsWriter(self.run_dir / "metrics.csv", enabled=not self.frozen)
+        if self.frozen:
+            self.status = "diverged"
 
     def next_batch(self, swap_rng: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """This run's next training batch, drawn under its own random state when the loader
@@ -243,6 +249,8 @@ class Pack:
             cb.load_state_dict(pack_state([p["callbacks"].get(callback_key(i, cb), {}) for p in payloads]))
         for m, p in zip(self.members, payloads):
             m.rng = p["rng"][0]
+            if m.frozen:
+                continue
             m.metrics.restore(p["metrics"])
             for row in p["metrics"]:
                 record_eval(m.summary, row)
@@ -252,12 +260,14 @@ class Pack:
 
     def resume(self, mode: str) -> None:
         """``auto``: the newest periodic checkpoint step that every run holds, if any, written
-        with these settings; ``never``: start over."""
+        with these settings; ``never``: start over. Frozen runs (:attr:`Member.frozen`) take
+        no part: their slots are filled with another run's state, then zeroed."""
         if mode == "never":
             return
-        found = common_checkpoints([m.run_dir for m in self.members])
+        live = [m for m in self.members if not m.frozen]
+        found = common_checkpoints([m.run_dir for m in live])
         start = 0 if found is None else checkpoint_step(found[0][0])
-        for m in self.members:  # checkpoints past the pack's starting step would outlive the ones it writes
+        for m in live:  # checkpoints past the pack's starting step would outlive the ones it writes
             for path in checkpoint.periodic_checkpoints(m.run_dir):
                 if checkpoint_step(path) > start:
                     log.warning("%s: not resumed from (the pack's other runs hold no checkpoint of step %d); "
@@ -266,14 +276,15 @@ class Pack:
                     checkpoint.checksum_path(path).unlink(missing_ok=True)
         if found is None:
             return
-        for m, (path, payload) in zip(self.members, found):
+        for m, (path, payload) in zip(live, found):
             written_with = payload.get("config", {})
             if fingerprint(written_with) != fingerprint(m.cfg):
                 raise OtherRunThere(f"{path} was written by a run with other settings "
                                     f"({differences(written_with, m.cfg)}): run with trainer.resume=never to start "
                                     "over in this directory, or use another one")
             m.summary["resumed_from"] = str(path)
-        self.restore([payload for _, payload in found])
+        payloads = iter(payload for _, payload in found)
+        self.restore([found[0][1] if m.frozen else next(payloads) for m in self.members])
         log.info("pack of %d resumed at step %d", self.runs, self.state.step)
 
     def save_periodic(self) -> None:
@@ -312,9 +323,13 @@ class Pack:
                 write_json(m.run_dir / "summary.json", m.summary)  # final now (rewritten with the wall time at the end)
                 log.warning("%s: non-finite training loss at step %d: run frozen (status diverged), the other "
                             "runs of its pack go on", m.run_dir, self.state.step)
-                self.freezer.freeze(self.state, m.index)
-                self.alive[m.index] = False
+                self.freeze(m)
         return losses
+
+    def freeze(self, member: Member) -> None:
+        """Take a diverged run out of training: zeroed, its loss out of the sum."""
+        self.freezer.freeze(self.state, member.index)
+        self.alive[member.index] = False
 
 
 def save(member: Member, payload: dict[str, Any], path: Path) -> bool:
@@ -382,6 +397,9 @@ def fit_pack(members: list[Member]) -> None:
     for cb in pack.callbacks:
         cb.on_train_start(state)
     pack.resume(str(cfg.trainer.resume))
+    for m in members:
+        if m.frozen:
+            pack.freeze(m)
     train_pack_steps(pack, loaders)
 
 
@@ -444,7 +462,7 @@ def member_logs(members: Sequence[Member]) -> Iterator[None]:
     root = logging.getLogger()
     like = next((h for h in root.handlers if isinstance(h, logging.FileHandler)), None)
     handlers: list[logging.Handler] = []
-    for m in members[1:] if like is not None else []:
+    for m in [m for m in members[1:] if not m.frozen] if like is not None else []:
         handler = logging.FileHandler(m.run_dir / "train.log", delay=True)
         handler.setFormatter(like.formatter)
         handler.setLevel(like.level)
@@ -458,17 +476,23 @@ def member_logs(members: Sequence[Member]) -> Iterator[None]:
             handler.close()
 
 
-def train_pack(cfgs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> list[dict[str, Any]]:
-    """Train ``cfgs`` (one per run, in ``run_dirs``) as one pack; returns their summaries.
-    Exceptions are recorded in every run's summary, then re-raised."""
+def train_pack(cfgs: Sequence[DictConfig], run_dirs: Sequence[Path],
+               frozen: Sequence[bool] = ()) -> list[dict[str, Any]]:
+    """Train ``cfgs`` (one per run, in ``run_dirs``) as one pack; returns the summaries of the
+    runs not ``frozen`` (runs that diverged in an earlier process of this pack: they hold
+    their slots and write nothing). Exceptions are recorded in every run's summary, then
+    re-raised."""
     members = []
     for i, (cfg, run_dir) in enumerate(zip(cfgs, run_dirs)):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        checkpoint.remove_partial_files(run_dir)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-        summary = {"status": "failed", **version_stamp(), "fingerprint": fingerprint(cfg),
-                   "config": OmegaConf.to_container(cfg, resolve=True)}
-        members.append(Member(i, cfg, run_dir, summary))
+        member = Member(i, cfg, run_dir, {}, frozen=i < len(frozen) and frozen[i])
+        if not member.frozen:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            checkpoint.remove_partial_files(run_dir)
+            OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+            member.summary.update({"status": "failed", **version_stamp(), "fingerprint": fingerprint(cfg),
+                                   "config": OmegaConf.to_container(cfg, resolve=True)})
+        members.append(member)
+    written = [m for m in members if not m.frozen]
     started = time.perf_counter()
     try:
         for cfg in cfgs:
@@ -478,18 +502,18 @@ def train_pack(cfgs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> list[dic
     except Preempted:
         raise
     except KeyboardInterrupt:
-        for m in members:
+        for m in written:
             if m.summary["status"] != "diverged":
                 m.summary.update(status="interrupted", error="KeyboardInterrupt: stopped by Ctrl-C")
         raise
     except BaseException as err:
-        for m in members:
+        for m in written:
             if m.summary["status"] != "diverged":
                 m.summary.update(status="failed", error=f"{type(err).__name__}: {err}",
                                  traceback=traceback.format_exc())
         raise
     finally:
-        for m in members:
+        for m in written:
             m.summary["wall_seconds"] = round(time.perf_counter() - started, 3)
             write_json(m.run_dir / "summary.json", m.summary)
-    return [m.summary for m in members]
+    return [m.summary for m in written]

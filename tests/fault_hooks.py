@@ -7,9 +7,10 @@ Usage: python tests/fault_hooks.py HOOK[:STEP] BNEXP_ARGS...
 - ``sigkill-in-final-save``: the same with SIGKILL (the temporary file stays behind).
 - ``sigkill-after-final-save``: SIGKILL once ``checkpoint.pt`` is in place and the periodic
   checkpoints are removed, before ``summary.json`` says the run completed.
-- ``nan-then-sigkill:STEP``: the second training batch of the pack's run 1 holds a NaN (that
-  run diverges, as in tests/test_packing.py); SIGKILL once the last run's periodic
-  checkpoint of step STEP is on disk.
+- ``nan``: the second training batch of the pack's run 1 holds a NaN (that run diverges, as
+  in tests/test_packing.py).
+- ``nan-then-sigkill:STEP``: the same, then SIGKILL once the last run's periodic checkpoint
+  of step STEP is on disk.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def sigkill_after_final_save() -> None:
     checkpoint.prune = prune_then_kill
 
 
-def nan_then_sigkill(step: int) -> None:
-    next_batch, save = Member.next_batch, checkpoint.save
+def nan_in_run_1() -> None:
+    """The second training batch of the pack's run 1 holds a NaN."""
+    next_batch = Member.next_batch
     drawn = {"count": 0}
 
     def poisoned(self: Member, swap_rng: bool) -> Any:
@@ -68,13 +70,20 @@ def nan_then_sigkill(step: int) -> None:
                 x[0, 0, 0, 0] = float("nan")
         return x, y
 
+    Member.next_batch = poisoned
+
+
+def nan_then_sigkill(step: int) -> None:
+    """:func:`nan_in_run_1`, then SIGKILL once the periodic checkpoint of step ``step`` of the
+    pack's seed-2 run is on disk (the pack writes its runs' in order)."""
+    nan_in_run_1()
+    save = checkpoint.save
+
     def save_then_kill(payload: dict[str, Any], path: Path) -> None:
         save(payload, path)
-        run_dir = path.parent.parent
-        if path == checkpoint.periodic_path(run_dir, step) and "trainer.seed=2" in run_dir.name:
+        if path == checkpoint.periodic_path(path.parent.parent, step) and payload["config"]["trainer"]["seed"] == 2:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    Member.next_batch = poisoned
     checkpoint.save = save_then_kill
 
 
@@ -83,5 +92,6 @@ if __name__ == "__main__":
     {"sigterm-in-final-save": lambda: signal_in_final_save(signal.SIGTERM),
      "sigkill-in-final-save": lambda: signal_in_final_save(signal.SIGKILL),
      "sigkill-after-final-save": sigkill_after_final_save,
+     "nan": nan_in_run_1,
      "nan-then-sigkill": lambda: nan_then_sigkill(int(arg))}[hook]()
     main(sys.argv[2:])
