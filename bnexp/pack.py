@@ -40,11 +40,11 @@ from tqdm import tqdm
 from bnexp import checkpoint
 from bnexp.callbacks import Callback, TrainState
 from bnexp.config import validate
-from bnexp.data import build_data
+from bnexp.data import build_data, data_identity
 from bnexp.data.loaders import build_loaders, drop_last
 from bnexp.distributed import Dist
 from bnexp.errors import ConfigError, OtherRunThere
-from bnexp.identity import differences, fingerprint
+from bnexp.identity import differences, fingerprint, run_differences
 from bnexp.methods import WeightNormLog, method_callbacks
 from bnexp.models import build_model, count_parameters
 from bnexp.models.packing import pack_inputs, pack_models, pack_state, packed_losses, unpack_state
@@ -234,7 +234,7 @@ class Pack:
                 "step": s.step, "scaler": self.net.scaler.state_dict(), "rng": [m.rng],
                 "meter": meter[m.index: m.index + 1].clone(), "metrics": m.metrics.rows,
                 "callbacks": dict(zip(names, callbacks)), "seconds": self.seconds(),
-                "config": OmegaConf.to_container(m.cfg, resolve=True),
+                "config": OmegaConf.to_container(m.cfg, resolve=True), "data_files": m.summary.get("data_files", {}),
             })
         return out
 
@@ -277,11 +277,10 @@ class Pack:
         if found is None:
             return
         for m, (path, payload) in zip(live, found):
-            written_with = payload.get("config", {})
-            if fingerprint(written_with) != fingerprint(m.cfg):
-                raise OtherRunThere(f"{path} was written by a run with other settings "
-                                    f"({differences(written_with, m.cfg)}): run with trainer.resume=never to start "
-                                    "over in this directory, or use another one")
+            change = run_differences(payload.get("config", {}), m.cfg, payload.get("data_files"))
+            if change:
+                raise OtherRunThere(f"{path} was written by a run with other settings ({change}): run with "
+                                    "trainer.resume=never to start over in this directory, or use another one")
             m.summary["resumed_from"] = str(path)
         payloads = iter(payload for _, payload in found)
         self.restore([found[0][1] if m.frozen else next(payloads) for m in self.members])
@@ -369,6 +368,7 @@ def fit_pack(members: list[Member]) -> None:
     backends = configure_backends(cfg.trainer.tf32, cfg.trainer.deterministic)
     device = resolve_device(cfg.trainer.device)
     bundle = build_data(cfg.data)
+    data_files = data_identity(cfg.data)
     batch_size, one_process = int(cfg.trainer.batch_size), Dist()
     check_batch_size(cfg, bundle, batch_size, one_process)
     last = drop_last(cfg.data, uses_batch_statistics(cfg.norm))
@@ -391,7 +391,7 @@ def fit_pack(members: list[Member]) -> None:
             m.summary["skipped_images"] = len(bundle.skipped_images)
         m.summary.update(backends=backends, params=count_parameters(models[0]), device=str(device),
                          steps_per_epoch=steps_per_epoch, loader=loaders[0].kind, world_size=1,
-                         num_classes=bundle.spec.num_classes,
+                         num_classes=bundle.spec.num_classes, data_files=data_files,
                          packed_with=[str(o.run_dir) for o in members if o is not m])
     pack = Pack(members, state, net, shared, FreezeDiverged(len(members)), loaders[0].test, bundle.spec.num_classes)
     for cb in pack.callbacks:

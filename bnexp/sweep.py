@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from bnexp.checkpoint import FINAL, resume_candidates, verified_bytes
 from bnexp.config import lr_not_applicable
 from bnexp.errors import EXIT_FAILED, ConfigError, OtherRunThere
-from bnexp.identity import cell_name, differences, fingerprint, override_key
+from bnexp.identity import cell_name, override_key, run_differences
 from bnexp.runlock import HELD_ENV
 
 Sweep = Mapping[str, Any]  # one sweep as a preset writes it: key -> value(s) in override syntax
@@ -140,10 +140,10 @@ def skip_reason(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     finished = status in FINISHED
     if not finished and (str(cfg.trainer.resume) != "auto" or not resume_candidates(run_dir)):
         return None  # nothing to skip or to resume from
-    there = summary.get("config") or {}
-    if fingerprint(there) != fingerprint(cfg):
+    change = run_differences(summary.get("config") or {}, cfg, summary.get("data_files"))
+    if change:
         what = f"a run {status}" if finished else f"an unfinished run ({status}) to resume"
-        raise OtherRunThere(f"{run_dir} holds {what} with other settings ({differences(there, cfg)}); "
+        raise OtherRunThere(f"{run_dir} holds {what} with other settings ({change}); "
                             "nothing was changed there. Run with trainer.resume=never to replace it, or choose "
                             "another directory (hydra.run.dir=... / hydra.sweep.dir=...)")
     if not finished:

@@ -28,11 +28,11 @@ from tqdm import tqdm
 from bnexp import checkpoint, distributed
 from bnexp.callbacks import Callback, TrainState, ended_on_stop
 from bnexp.config import RESUME_MODES, validate
-from bnexp.data import DataBundle, build_data
+from bnexp.data import DataBundle, build_data, data_identity
 from bnexp.data.loaders import Loaders, build_loaders, drop_last
 from bnexp.distributed import Dist, gather_objects, max_over_ranks, sum_over_ranks
 from bnexp.errors import ConfigError, OtherRunThere
-from bnexp.identity import differences, fingerprint
+from bnexp.identity import fingerprint, run_differences
 from bnexp.loggers import logger_callback
 from bnexp.methods import method_callbacks
 from bnexp.models import build_model, count_parameters
@@ -189,6 +189,7 @@ class Run:
             "callbacks": {callback_key(i, cb): cb.state_dict() for i, cb in enumerate(self.callbacks)},
             "seconds": self.seconds(),
             "config": OmegaConf.to_container(s.cfg, resolve=True),
+            "data_files": self.summary.get("data_files", {}),
         }
 
     def restore(self, payload: dict[str, Any]) -> None:
@@ -226,9 +227,8 @@ class Run:
             if found is None and checkpoint.resume_candidates(run_dir):
                 log.warning("no valid checkpoint in %s: starting over", run_dir)
         if found is not None:
-            written_with = found[1].get("config", {})
-            if fingerprint(written_with) != fingerprint(cfg):
-                change = differences(written_with, cfg)
+            change = run_differences(found[1].get("config", {}), cfg, found[1].get("data_files"))
+            if change:
                 if mode == "auto":
                     raise OtherRunThere(f"{found[0]} was written by a run with other settings ({change}): run with "
                                       "trainer.resume=never to start over in this directory, or use another one")
@@ -415,6 +415,7 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
     distributed.init_process_group(d, device)
     batch_size = distributed.split_batch(cfg.trainer.batch_size, d)
     bundle = build_data(cfg.data)
+    summary["data_files"] = data_identity(cfg.data)  # compared by a re-run (the fingerprint holds settings only)
     if bundle.skipped_images:  # data.check_images=true data.bad_images=skip
         summary["skipped_images"] = len(bundle.skipped_images)
     check_batch_size(cfg, bundle, batch_size, d)

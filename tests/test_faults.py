@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import resource
 import signal
 import socket
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -76,6 +78,51 @@ def test_same_settings_rerun_is_skipped(tmp_path: Path, capsys: pytest.CaptureFi
     code, out = run_cli(train_args(tmp_path, "trainer.log_every=1", "trainer.device=cpu"), capsys)  # not result keys
     assert code == 0 and "skipped: already completed" in out
     assert (tmp_path / "run" / "summary.json").stat().st_mtime_ns == stamp
+
+
+NPZ = [*(o for o in TINY if not o.startswith("data")), "data=npz", "data.path=d.npz"]
+
+
+def write_npz(path: Path, classes: int) -> None:
+    """An npz data set of 8 x 8 images whose labels cycle through ``classes`` classes."""
+    rng = np.random.default_rng(0)
+    np.savez(path, x_train=rng.integers(0, 256, (64, 8, 8, 3), dtype=np.uint8), y_train=np.arange(64) % classes,
+             x_test=rng.integers(0, 256, (32, 8, 8, 3), dtype=np.uint8), y_test=np.arange(32) % classes)
+
+
+def test_data_file_replaced_under_the_same_path_is_other_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    write_npz(tmp_path / "d.npz", 10)
+    assert run_cli(["train", *NPZ], capsys)[0] == 0
+    run = only_run(tmp_path)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    write_npz(tmp_path / "d.npz", 11)
+    code, out = run_cli(["train", *NPZ], capsys)
+    assert code == EXIT_CONFIG, out
+    assert "holds a run completed with other settings (data file d.npz: " in out and " sha256 " in out
+    assert f"{(tmp_path / 'd.npz').stat().st_size} bytes, sha256 " \
+           f"{hashlib.sha256((tmp_path / 'd.npz').read_bytes()).hexdigest()[:12]}... here" in out
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    code, out = run_cli(["train", *NPZ, "trainer.resume=never"], capsys)
+    assert code == 0 and read_summary(run)["num_classes"] == 11
+
+
+def test_unchanged_data_file_is_reused_as_before(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run records its data file's size and sha256; a re-run skips it, also when only the
+    file's modification time changed (its bytes are compared then)."""
+    monkeypatch.chdir(tmp_path)
+    write_npz(tmp_path / "d.npz", 10)
+    assert run_cli(["train", *NPZ], capsys)[0] == 0
+    recorded = read_summary(only_run(tmp_path))["data_files"]["d.npz"]
+    data = (tmp_path / "d.npz").read_bytes()
+    assert (recorded["size"], recorded["sha256"]) == (len(data), hashlib.sha256(data).hexdigest())
+    for touch in (False, True):
+        if touch:
+            os.utime(tmp_path / "d.npz", ns=(recorded["mtime_ns"] + 10**9,) * 2)
+        code, out = run_cli(["train", *NPZ], capsys)
+        assert code == 0 and "skipped: already completed" in out, touch
 
 
 def test_fingerprint_and_directory_name_follow_the_result_settings() -> None:
