@@ -31,6 +31,7 @@ from bnexp.distributed import from_environment
 from bnexp.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, ConfigError
 from bnexp.launch import check_gpus, rank_overrides
 from bnexp.preemption import STOP_EXIT_CODES, Preempted
+from bnexp.runinfo import storage_error
 from bnexp.runlock import RunLock, RunLocked
 
 log = logging.getLogger("bnexp")
@@ -134,8 +135,13 @@ def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[
     except Exception as err:  # recorded in summary.json with its traceback
         for run_dir in run_dirs:
             record(run_dir, "failed", f"{type(err).__name__}: {err}")
-        report_error(f"run failed with {type(err).__name__}: {err} (traceback in {run_dirs[0] / 'summary.json'})",
-                     traceback.format_exc())
+        if storage_error(err):  # its log and summary may not be writable either
+            report_error(f"cannot write to {where} ({type(err).__name__}: {err}): a full disk, a quota or a file-size "
+                         "limit (ulimit -f); what was written before is kept. Make room, then re-run the same command "
+                         "to resume", to_log=False)
+        else:
+            report_error(f"run failed with {type(err).__name__}: {err} (traceback in {run_dirs[0] / 'summary.json'})",
+                         traceback.format_exc())
         if not sweeping:
             sys.exit(EXIT_FAILED)
         return [math.nan] * len(run_dirs)

@@ -51,7 +51,7 @@ from bnexp.models.packing import pack_inputs, pack_models, pack_state, packed_lo
 from bnexp.norms import uses_batch_statistics
 from bnexp.optim import build_optimizer, build_schedule, to_steps
 from bnexp.preemption import Preempted, PreemptionGuard
-from bnexp.runinfo import MetricsWriter, configure_backends, resolve_device, seed_everything, version_stamp, write_json
+from bnexp.runinfo import MetricsWriter, RunLogFile, configure_backends, resolve_device, seed_everything, version_stamp, write_json
 from bnexp.speed import Accelerated
 from bnexp.trainer import (
     CheckpointClock,
@@ -463,7 +463,7 @@ def member_logs(members: Sequence[Member]) -> Iterator[None]:
     like = next((h for h in root.handlers if isinstance(h, logging.FileHandler)), None)
     handlers: list[logging.Handler] = []
     for m in [m for m in members[1:] if not m.frozen] if like is not None else []:
-        handler = logging.FileHandler(m.run_dir / "train.log", delay=True)
+        handler = RunLogFile(m.run_dir / "train.log", delay=True)
         handler.setFormatter(like.formatter)
         handler.setLevel(like.level)
         root.addHandler(handler)

@@ -34,6 +34,15 @@ def train_args(tmp_path: Path, *extra: str) -> list[str]:
     return ["train", *TINY, *STEPS, *extra, *run_dir_of(tmp_path)]
 
 
+HOOKED = [sys.executable, str(Path(__file__).with_name("fault_hooks.py"))]  # bnexp with a fault at an exact moment
+
+
+def only_run(folder: Path) -> Path:
+    """The one run directory a command run in ``folder`` made (the default run directory)."""
+    (run,) = (folder / "results" / "runs").iterdir()
+    return run
+
+
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -208,6 +217,35 @@ def test_full_disk_loses_checkpoints_not_the_run(tmp_path: Path) -> None:
     assert "the run's metrics and summary stand (status completed)" in (run / "train.log").read_text()
     assert len(read_metrics(run / "metrics.csv")) == 3 and not (run / "checkpoint.pt").exists()
     assert not (run / checkpoint.CHECKPOINT_DIR).exists()  # no empty folder left
+
+
+@pytest.mark.slow
+def test_file_size_limit_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """``ulimit -f 1`` (1 KiB): the first file that outgrows it (Hydra's ``hydra.yaml``) ends
+    the run with one line naming the run and the error, exit 1."""
+    done = subprocess.run([sys.executable, "-m", "bnexp", "train", *TINY], cwd=tmp_path, capture_output=True, text=True,
+                          preexec_fn=lambda: limit_file_size(1024))
+    assert done.returncode == EXIT_FAILED, done.stderr[-3000:]
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"bnexp: error: cannot write to {only_run(tmp_path)} (OSError: [Errno 27] File too large)")
+
+
+@pytest.mark.slow
+def test_run_log_that_cannot_grow_is_one_warning(tmp_path: Path) -> None:
+    """8 KiB: the run's other small files fit, its ``train.log`` (a line per step) does not:
+    one warning names it, the log keeps what it holds, and the run trains to the end (as
+    when its checkpoints cannot be written: the final one is too large here)."""
+    args = [*(o for o in TINY if not o.startswith("trainer.max_steps")), "trainer.max_steps=100",
+            "trainer.log_every=1", "trainer.eval_every=100", "trainer.eval_unit=step"]
+    done = subprocess.run([sys.executable, "-m", "bnexp", "train", *args], cwd=tmp_path, capture_output=True,
+                          text=True, preexec_fn=lambda: limit_file_size(8192))
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = only_run(tmp_path)
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"bnexp: warning: cannot write to {run / 'train.log'} (OSError: [Errno 27] File too large)")
+    assert read_summary(run)["status"] == "completed"
+    log = (run / "train.log").read_text()
+    assert len(log) == 8192 and "step 1/100 " in log
 
 
 @pytest.mark.parametrize("error", [OSError(28, "No space left on device"),
@@ -396,15 +434,6 @@ def test_each_adhoc_sweep_has_its_own_folder(tmp_path: Path, monkeypatch: pytest
         assert (tmp_path / "results" / "multirun" / folder / "multirun.yaml").is_file()
     code, out = run_cli(first, capsys)  # the same command finds its folder again
     assert code == 0 and "2 cells: 0 completed, 0 diverged, 0 failed, 2 skipped" in out
-
-
-HOOKED = [sys.executable, str(Path(__file__).with_name("fault_hooks.py"))]  # bnexp with a fault at an exact moment
-
-
-def only_run(folder: Path) -> Path:
-    """The one run directory a command run in ``folder`` made (the default run directory)."""
-    (run,) = (folder / "results" / "runs").iterdir()
-    return run
 
 
 @pytest.mark.slow
