@@ -390,6 +390,22 @@ def test_sigterm_checkpoints_every_run_of_the_pack(tmp_path: Path) -> None:
         assert checkpoint.load(checkpoint.periodic_checkpoints(d)[0])["step"] == read_summary(d)["steps"]
 
 
+@pytest.mark.slow
+def test_sigterm_while_a_pack_writes_its_final_checkpoints(tmp_path: Path) -> None:
+    """The signal comes as the first run's final checkpoint is written: every run of the pack
+    completes with its final checkpoint, then the process stops with 75."""
+    from tests.test_faults import HOOKED
+
+    done = subprocess.run([*HOOKED, "sigterm-in-final-save", "train", *PACK_RUN, "trainer.pack=3"], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert done.returncode == EXIT_PREEMPTED, done.stderr[-3000:]
+    runs = list((tmp_path / "results" / "runs").iterdir())
+    assert len(runs) == 3
+    for run in runs:
+        assert read_summary(run)["status"] == "completed" and checkpoint.load(run / "checkpoint.pt")["step"] == 6
+        assert not list(run.rglob("*.tmp")) and not (run / ".lock").exists()
+
+
 def test_pack_refuses_what_it_cannot_share(tmp_path: Path, capsys) -> None:
     code, out = run_cli(["train", *PACK_RUN, "trainer.pack=2", "probes=[grad_norm]",
                          f"hydra.run.dir={tmp_path / 'run'}"], capsys)
