@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BNEXP := $(VENV)/bin/bnexp
 STAMP := $(VENV)/.bnexp-installed
 
-.PHONY: install test lint tex demo clean wheels install-offline gpu-check
+.PHONY: install test lint tex slurm demo clean wheels install-offline gpu-check
 
 install: $(STAMP)
 
@@ -31,6 +31,14 @@ tex:
 		echo "pdflatex and booktabs are installed"; else \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 			$(TEX_PACKAGES) >/dev/null && kpsewhich booktabs.sty; fi
+
+# A one-node SLURM cluster on this machine (slurmctld, slurmd and munge from Debian's
+# packages, /etc/slurm/slurm.conf from scripts/slurm/slurm.conf.in), for the tests marked
+# `slurm` (skipped where it is not up). Debian or Ubuntu, as root; it starts the daemons each
+# time they are not running, and does nothing when the cluster is up. CI runs it before the
+# tests (docs/distributed.md).
+slurm:
+	scripts/slurm/up.sh
 
 # The main job, briefly. Exit code 3 means CIFAR-10 is not on disk and cannot be
 # downloaded; only then does the demo fall back to real digits (scikit-learn's bundled
@@ -74,8 +82,9 @@ install-offline:
 	touch $(STAMP)
 
 # On a machine with wheels/ the offline install, otherwise the usual one.
+# CHECKS names some of the checks (e.g. CHECKS="tests bench-step"); all of them by default.
 gpu-check: $(if $(wildcard $(WHEELS)/*.whl),install-offline,install)
-	$(PY) -m bnexp.bench.gpu_check
+	$(PY) -m bnexp.bench.gpu_check $(CHECKS)
 
 # ---- Reproducing the papers (docs/experiments.md) ----------------------------------
 # `make reproduce-<paper>-<name>` runs the preset configs/experiment/<paper>/<name>.yaml

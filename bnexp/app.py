@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import traceback
 from contextlib import ExitStack
@@ -29,10 +30,10 @@ from bnexp.commands import print_error
 from bnexp.config import config_dir, meaningless, register_resolvers, validate
 from bnexp.distributed import from_environment
 from bnexp.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, ConfigError
-from bnexp.launch import check_gpus, rank_overrides
+from bnexp.launch import check_gpus, follow_launcher, rank_overrides
 from bnexp.preemption import STOP_EXIT_CODES, Preempted
 from bnexp.runinfo import storage_error
-from bnexp.runlock import RunLock, RunLocked
+from bnexp.runlock import HELD_ENV, RunLock, RunLocked
 
 log = logging.getLogger("bnexp")
 
@@ -49,6 +50,19 @@ def report_error(message: str, details: str = "", to_log: bool = True) -> None:
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
+
+
+def console_log_only_off_rank_0() -> None:
+    """Ranks above 0 log to their console only, so that rank 0 alone writes the run's
+    ``train.log``. Under torchrun their Hydra logging is off already (:func:`rank_overrides`);
+    Hydra's submitit launcher runs the whole Hydra job, file logging included, in every
+    SLURM task."""
+    if from_environment().is_main:
+        return
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()
 
 
 @dataclass(frozen=True)
@@ -90,6 +104,7 @@ def train_job(cfg: DictConfig) -> float:
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     run_dir = Path(hydra_cfg.runtime.output_dir)
     register_resolvers()  # a launcher's worker process starts without them
+    console_log_only_off_rank_0()
     pack = cfg.trainer.get("pack", 1)
     if isinstance(pack, int) and pack > 1:  # validate() names any other value than an integer >= 1
         if sweeping:
@@ -99,6 +114,7 @@ def train_job(cfg: DictConfig) -> float:
         return train_pack_job(pack_jobs(Job(cfg, hydra_cfg, run_dir), pack), sweeping)[0]
 
     def single() -> list[tuple[str, Any]]:
+        follow_launcher()  # a rank started by bnexp's launcher ends with it and shares its lock
         with RunLock(run_dir, enabled=from_environment().is_main):
             return [run_job(cfg, hydra_cfg, run_dir, sweeping)]
 
@@ -265,7 +281,8 @@ def run_job(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: Path, sweeping: boo
     from bnexp.sweep import spread_over_gpus
     from bnexp.trainer import train
 
-    if prepare_job(Job(cfg, hydra_cfg, run_dir), write=from_environment().is_main):
+    launched = HELD_ENV in os.environ  # a rank of bnexp's launcher, which has written .hydra/ already
+    if prepare_job(Job(cfg, hydra_cfg, run_dir), write=from_environment().is_main and not launched):
         return "skipped", result_value("skipped", stored_summary(run_dir))
     if sweeping:
         spread_over_gpus(hydra_cfg.job.num)
@@ -291,7 +308,7 @@ def save_hydra_files(run_dir: Path, hydra_cfg: DictConfig, cfg: DictConfig) -> N
 
 def _launch_processes(nproc: int, overrides: list[str], run_dir: Path, sweeping: bool) -> str:
     """Run this job as ``nproc`` torchrun processes; a failure ends a single run as a
-    one-process run ends. Returns the run's status."""
+    one-process run ends, with one line saying so. Returns the run's status."""
     from bnexp.launch import run_under_torchrun
     from bnexp.sweep import job_status, record
 
@@ -302,6 +319,8 @@ def _launch_processes(nproc: int, overrides: list[str], run_dir: Path, sweeping:
         record(run_dir, status, error)
         sys.exit(STOP_EXIT_CODES[status])
     if code != 0 and not sweeping:
+        report_error(f"the {nproc} processes of {run_dir} stopped with exit code {code} (the first error above says "
+                     "why); re-run the same command to resume from its last checkpoint")
         sys.exit(code)
     return status
 

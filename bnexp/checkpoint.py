@@ -4,6 +4,9 @@ Checkpoints go through :func:`bnexp.runinfo.atomic_write`, so a crash or a full 
 never leave a half-written file under a checkpoint's name. Beside each one, a
 ``<name>.sha256`` file (``sha256sum`` format, so ``sha256sum -c`` checks it too) holds the
 digest of its bytes; loading verifies it, so a flipped bit is an error, not a silent drift.
+The digest proves integrity, not origin, so a checkpoint is unpickled only by
+``torch.load(weights_only=True)``, which builds tensors and plain containers and calls no
+code named in the file; a file that needs more is refused (:class:`UnsafeCheckpoint`).
 Periodic checkpoints live in ``<run>/checkpoints/step-<step>.pt``; the newest ``keep`` of
 them are kept.
 """
@@ -21,9 +24,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from bnexp.errors import ConfigError
+from bnexp.identity import differences, fingerprint
 from bnexp.runinfo import atomic_write
 
 log = logging.getLogger("bnexp.checkpoint")
@@ -31,7 +37,21 @@ log = logging.getLogger("bnexp.checkpoint")
 CHECKPOINT_DIR = "checkpoints"
 FINAL = "checkpoint.pt"  # a completed run's final state, in its directory
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "rng")
+RUN_SECTIONS = ("model", "norm", "act", "data")  # what eval and export rebuild a run from
+# torch's message when weights_only=True meets a global it does not allow (or blocks)
+_REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+) (?:was not an allowed global|whose module)")
 _STEP_FILE = re.compile(r"step-(\d+)\.pt$")
+
+
+class UnsafeCheckpoint(ConfigError):
+    """A checkpoint that ``torch.load(weights_only=True)`` refuses: it holds more than
+    tensors and plain containers, so unpickling it in full could run code from the file."""
+
+    def __init__(self, path: Path, needs: str) -> None:
+        super().__init__(f"refused checkpoint {path}: unpickling it needs {needs}, not only the tensors and plain "
+                         "containers bnexp loads (torch.load(weights_only=True), never code from a file); if it is "
+                         "a trusted checkpoint of an older bnexp, convert it once with the command in "
+                         "docs/resilience.md (\"Checkpoints of older versions\")")
 
 
 def checksum_path(path: Path) -> Path:
@@ -83,10 +103,8 @@ def capture_rng() -> dict[str, Any]:
 def restore_rng(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     saved = state["numpy"]
-    if isinstance(saved, dict):
-        saved = (saved["name"], saved["keys"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"],
-                 saved["cached_gaussian"])
-    np.random.set_state(saved)  # a tuple in checkpoints written before 2026-11-23
+    np.random.set_state((saved["name"], saved["keys"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"],
+                         saved["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         cuda = state["cuda"]
@@ -138,17 +156,19 @@ def verified_bytes(path: Path, require_checksum: bool = True) -> bytes:
 
 
 def load(path: Path, require_checksum: bool = True) -> dict[str, Any]:
-    """Read a checkpoint; ValueError if it is damaged, unreadable or lacks a required entry."""
+    """Read a checkpoint with ``torch.load(weights_only=True)``, the only way bnexp unpickles
+    one; ValueError if it is damaged, unreadable or lacks a required entry, UnsafeCheckpoint
+    if it holds more than tensors and plain containers."""
     data = verified_bytes(path, require_checksum)
     try:
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:  # written before 2026-11-23 (numpy's RNG state as an array)
-        if not checksum_path(path).is_file():  # only bnexp's own files, vouched for by their checksum
-            raise ValueError(f"unreadable checkpoint {path}: it holds more than tensors and plain containers "
-                             "(torch.load(weights_only=True) refuses it) and has no checksum file showing bnexp "
-                             "wrote it") from err
-        log.warning("%s was written by an older bnexp: loading it with weights_only=False", path)
-        payload = _load_any(path, data)
+    except pickle.UnpicklingError as err:
+        reason = " ".join(str(err).rpartition("WeightsUnpickler error:")[2].partition("Check the documentation")[0]
+                          .split())  # the unpickler's own words in torch's long message
+        refused = _REFUSED_GLOBAL.search(reason)
+        if refused:
+            raise UnsafeCheckpoint(path, refused.group(1)) from None
+        raise ValueError(f"unreadable checkpoint {path}: {reason}") from err
     except Exception as err:
         raise ValueError(f"unreadable checkpoint {path}: {type(err).__name__}: {err}") from err
     missing = [k for k in REQUIRED_KEYS if not isinstance(payload, dict) or k not in payload]
@@ -157,21 +177,43 @@ def load(path: Path, require_checksum: bool = True) -> dict[str, Any]:
     return payload
 
 
-def _load_any(path: Path, data: bytes) -> Any:
-    """A checkpoint of an older bnexp, unpickled in full (its bytes matched its checksum file)."""
+def load_given(path: Path) -> dict[str, Any]:
+    """A checkpoint named on the command line (``trainer.init_from``, ``bnexp eval`` and
+    ``export``): :func:`load`, a missing checksum file only warned about, with any problem a
+    ConfigError."""
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-    except Exception as err:
-        raise ValueError(f"unreadable checkpoint {path}: {type(err).__name__}: {err}") from err
+        return load(path, require_checksum=False)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
-def finished_run_config(run_dir: Path, command: str) -> DictConfig:
-    """The config of the finished run in ``run_dir`` (its config.yaml, beside its final
-    checkpoint); a ConfigError naming ``command`` otherwise."""
+def read_config(path: Path) -> DictConfig:
+    """A run's ``config.yaml``, resolved; a ConfigError naming the file if it cannot be read,
+    does not parse, or is not a mapping of settings."""
+    try:
+        cfg = OmegaConf.create(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+    except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException) as err:
+        raise ConfigError(f"damaged run config {path}: {type(err).__name__}: {' '.join(str(err).split())}") from None
+    if not isinstance(cfg, DictConfig) or not all(key in cfg for key in RUN_SECTIONS):
+        raise ConfigError(f"damaged run config {path}: not a mapping with the sections {', '.join(RUN_SECTIONS)}")
+    return cfg
+
+
+def finished_run(run_dir: Path, command: str) -> tuple[DictConfig, dict[str, Any]]:
+    """The config (its config.yaml) and final checkpoint of the finished run in ``run_dir``;
+    a ConfigError naming ``command`` if either is missing, damaged or refused, or if the
+    config no longer holds the settings the checkpoint was trained with."""
     if not (run_dir / "config.yaml").is_file() or not (run_dir / FINAL).is_file():
         raise ConfigError(f"bnexp {command}: {run_dir} is not a finished run (it needs config.yaml and {FINAL}; "
                           "unfinished runs have only periodic checkpoints)")
-    return OmegaConf.load(run_dir / "config.yaml")
+    cfg = read_config(run_dir / "config.yaml")
+    payload = load_given(run_dir / FINAL)
+    trained_with = payload.get("config")
+    if trained_with is not None and fingerprint(trained_with) != fingerprint(cfg):
+        raise ConfigError(f"bnexp {command}: {run_dir / 'config.yaml'} no longer holds the settings {FINAL} was "
+                          f"trained with ({differences(trained_with, cfg)}; 'there' is the checkpoint): put back the "
+                          "run's config (summary.json holds it under \"config\")")
+    return cfg, payload
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -179,10 +221,7 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     file = path / FINAL if path.is_dir() else path
     if not file.is_file():
         raise ConfigError(f"{path}: no checkpoint there (a checkpoint file, or a run directory holding {FINAL})")
-    try:
-        return load(file, require_checksum=False)["model"]
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
+    return load_given(file)["model"]
 
 
 def resume_candidates(run_dir: Path) -> list[Path]:
@@ -194,7 +233,9 @@ def resume_candidates(run_dir: Path) -> list[Path]:
 
 
 def newest_valid(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest of :func:`resume_candidates` that loads, warning about each one skipped."""
+    """The newest of :func:`resume_candidates` that loads, warning about each damaged one
+    skipped. One that needs more than ``weights_only=True`` raises UnsafeCheckpoint instead of
+    being skipped: the run stops rather than train past (and prune) it."""
     for path in resume_candidates(run_dir):
         try:
             return path, load(path)

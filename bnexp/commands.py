@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from bnexp.errors import BnexpError, ConfigError
 
@@ -38,6 +39,16 @@ def run_dir_argument(args: Sequence[str], usage: str) -> Path:
     if not args or not Path(args[0]).is_dir():
         raise ConfigError(f"usage: {usage}{f' ({args[0]!r} is no directory)' if args else ''}")
     return Path(args[0])
+
+
+@contextmanager
+def output_errors(what: str, then: str) -> Iterator[None]:
+    """An OSError in the block (a read-only folder, a full disk) as one ConfigError line:
+    ``what`` (naming the file and folder), the OS's reason, then ``then`` (what to do)."""
+    try:
+        yield
+    except OSError as err:
+        raise ConfigError(f"{what} ({type(err).__name__}: {err.strerror or err}): {then}") from None
 
 
 def exit_on_error(body: Callable[[], None]) -> None:

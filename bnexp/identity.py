@@ -16,9 +16,9 @@ from typing import Any, Iterable, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 # Settings that do not change what a run computes: where it logs, how often it saves or
-# prints, which device it runs on, whether it trains packed with other seeds (the same
-# computation, rounded differently), whether data is downloaded and checked. A key covers
-# its whole subtree. (data.num_workers is not one: each DataLoader worker draws its own
+# prints, how long its processes wait for each other, which device it runs on, whether it
+# trains packed with other seeds (the same computation, rounded differently), whether data
+# is downloaded and checked. A key covers its whole subtree. (data.num_workers is not one: each DataLoader worker draws its own
 # augmentation.)
 NON_RESULT_KEYS = (
     "logger",
@@ -30,6 +30,7 @@ NON_RESULT_KEYS = (
     "trainer.checkpoint_every",
     "trainer.checkpoint_unit",
     "trainer.keep_checkpoints",
+    "trainer.dist_timeout",
     "data.download",
     "data.verify",
 )

@@ -23,6 +23,8 @@ from bnexp.nn import (
     BatchRenorm2d,
     CBN1d,
     CBN2d,
+    FourThingsBN1d,
+    FourThingsBN2d,
     NormFamily1d,
     NormFamily2d,
     POPNorm1d,
@@ -95,6 +97,18 @@ class ChannelsError(ValueError):
     """A normalization's options do not fit a layer's channel count (GN groups)."""
 
 
+def four_things(family: type[nn.Module]) -> Builder:
+    """BN with 4 things whose ``groups`` (when set) must divide the channels, as for :func:`group_norm`."""
+
+    def make(num_features: int, **options: Any) -> nn.Module:
+        groups = options.get("groups")
+        if isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1 and num_features % groups:
+            raise ChannelsError(f"groups={groups} does not divide the {num_features} channels of a normalized layer")
+        return family(num_features, **options)
+
+    return make
+
+
 def layer_norm_images(num_features: int, eps: float = 1e-5) -> nn.Module:
     """LayerNorm over all of C x H x W per sample: GroupNorm with one group."""
     return nn.GroupNorm(1, num_features, eps=eps)
@@ -106,6 +120,8 @@ register_norm("norm_family", NormFamily1d, NormFamily2d, FAMILY_KEYS)  # bnexp's
 register_norm("cbn", CBN1d, CBN2d, FAMILY_KEYS)
 register_norm("popnorm", POPNorm1d, POPNorm2d, FAMILY_KEYS)
 register_norm("batch_renorm", BatchRenorm1d, BatchRenorm2d, ("r_max", "d_max", "momentum", "eps", "ramp_steps", "sync"))
+register_norm("four_things", four_things(FourThingsBN1d), four_things(FourThingsBN2d),
+              ("ghost_batch", "groups", "alpha", "affine_decay", "momentum", "eps"))
 register_norm("bn_si", ScaleInvariantBN1d, ScaleInvariantBN2d, ("eps", "momentum", "sync"))  # bound to its op later
 register_norm("groupnorm", group_norm, group_norm, ("groups", "eps"), batch_statistics=False)
 register_norm("layernorm", nn.LayerNorm, layer_norm_images, ("eps",), batch_statistics=False)
@@ -129,10 +145,12 @@ def layer_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def uses_batch_statistics(cfg: Mapping[str, Any]) -> bool:
-    """Whether a ``norm`` preset normalizes with statistics over the batch: BN and its family
-    when they center or scale, bn_si, batch renormalization; not GN, LN, BNP or none."""
+    """Whether a ``norm`` preset normalizes with statistics over the batch that one example
+    cannot give: BN and its family when they center or scale, bn_si, batch renormalization,
+    BN with 4 things without channel groups; not GN, LN, BNP or none, nor BN with 4 things
+    whose statistics pool ``norm.groups`` groups of channels (batch-group normalization)."""
     layer = cfg.get("layer")
-    if layer is None or not NORM_LAYERS.get(layer).batch_statistics:
+    if layer is None or not NORM_LAYERS.get(layer).batch_statistics or cfg.get("groups") is not None:
         return False
     return bool(cfg.get("center", True) or cfg.get("scale", True))
 

@@ -100,6 +100,25 @@ class Accelerated(nn.Module):
         for group in optimizer.param_groups:  # again after a checkpoint restored float rates
             if not isinstance(group["lr"], Tensor):
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64)
+        if self._creates_state(optimizer):
+            optimizer.step()
+            return
         if self._step is None or self._step[0] is not optimizer:
             self._step = (optimizer, torch.compile(optimizer.step))
         self._step[1]()
+
+    @staticmethod
+    def _creates_state(optimizer: Optimizer) -> bool:
+        """Whether this step is the one that creates the optimizer's state (SGD's momentum
+        buffers): some parameter with a gradient has none yet.
+
+        That step runs eagerly. Traced, it breaks dynamo as soon as a second optimizer's step
+        is compiled in the same process (a sweep's next job, a benchmark's next case): the
+        recompiled state-creating branch fails with "speculation log divergence" (torch 2.11
+        and 2.14; tests/test_speed_paths.py). Every later step, and every step of a resumed
+        run (its state comes from the checkpoint), is compiled, so an interrupted run and an
+        uninterrupted one run the same code at every step. An optimizer that keeps no state
+        (SGD without momentum) steps eagerly throughout.
+        """
+        return any(p.grad is not None and not optimizer.state.get(p)
+                   for group in optimizer.param_groups for p in group["params"])

@@ -27,10 +27,10 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from bnexp.checkpoint import FINAL, resume_candidates, verified_bytes
+from bnexp.checkpoint import FINAL, read_config, resume_candidates, verified_bytes
 from bnexp.config import lr_not_applicable
 from bnexp.errors import EXIT_FAILED, ConfigError, OtherRunThere
-from bnexp.identity import cell_name, override_key, run_differences
+from bnexp.identity import cell_name, differences, fingerprint, override_key, run_differences
 from bnexp.runlock import HELD_ENV
 
 Sweep = Mapping[str, Any]  # one sweep as a preset writes it: key -> value(s) in override syntax
@@ -148,12 +148,20 @@ def skip_reason(cfg: DictConfig, run_dir: Path) -> Optional[str]:
                             "another directory (hydra.run.dir=... / hydra.sweep.dir=...)")
     if not finished:
         return None
-    return f"already {status} (trainer.resume=never runs it again){final_checkpoint_note(run_dir, summary)}"
+    return f"already {status} (trainer.resume=never runs it again){damage_note(run_dir, cfg, summary)}"
 
 
-def final_checkpoint_note(run_dir: Path, summary: Mapping[str, Any]) -> str:
-    """A warning, when a completed run's final checkpoint is missing or damaged (its
-    metrics and summary stand; only its final weights are lost)."""
+def damage_note(run_dir: Path, cfg: DictConfig, summary: Mapping[str, Any]) -> str:
+    """A warning, when a finished run's final checkpoint or config.yaml (which ``bnexp eval``
+    and ``export`` rebuild it from) is missing or damaged: its metrics and summary stand."""
+    problems = [p for p in (final_checkpoint_problem(run_dir, summary), config_problem(run_dir, cfg)) if p]
+    if not problems:
+        return ""
+    return f"; WARNING: {'; '.join(problems)}. Its metrics and summary stand; trainer.resume=never trains it again"
+
+
+def final_checkpoint_problem(run_dir: Path, summary: Mapping[str, Any]) -> str:
+    """What is wrong with a completed run's final checkpoint, if anything."""
     if summary.get("status") != "completed":
         return ""
     path = run_dir / FINAL
@@ -162,8 +170,19 @@ def final_checkpoint_note(run_dir: Path, summary: Mapping[str, Any]) -> str:
     except ValueError as err:
         errors = "; ".join(summary.get("checkpoint_errors", [])[-1:])
         why = f"it could not be written ({errors})" if errors and not path.exists() else str(err)
-        return (f"; WARNING: its final checkpoint is unusable: {why}. Its metrics and summary stand; "
-                "trainer.resume=never trains it again")
+        return f"its final checkpoint is unusable: {why}"
+    return ""
+
+
+def config_problem(run_dir: Path, cfg: DictConfig) -> str:
+    """What is wrong with a finished run's config.yaml, if anything: unreadable, or no longer
+    the settings ``cfg`` the run was found to have."""
+    try:
+        saved = read_config(run_dir / "config.yaml")
+    except ConfigError as err:
+        return f"its config.yaml is unusable: {err}"
+    if fingerprint(saved) != fingerprint(cfg):
+        return f"its config.yaml is unusable: it no longer holds the run's settings ({differences(saved, cfg)})"
     return ""
 
 

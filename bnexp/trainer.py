@@ -113,8 +113,11 @@ class TrainMeter:
         self.sums[:, 2].fill_(self.count)
         return self.sums
 
-    def load(self, sums: torch.Tensor) -> None:
-        self.sums.copy_(sums)  # a single run's checkpoint before packing existed holds 3 values
+    def load(self, sums: torch.Tensor, rank: int = 0) -> None:
+        """Sums as :meth:`state` gave them (3 values in a single run's checkpoint from before
+        packing existed), or one block of them per process (``(processes, runs, 3)``,
+        :meth:`Run.payload`), of which process ``rank`` takes its own."""
+        self.sums.copy_(sums[rank] if sums.dim() == 3 else sums)
         self.count = int(self.sums[0, 2])
 
     def read_runs(self) -> list[tuple[float, float]]:
@@ -184,7 +187,7 @@ class Run:
             "step": s.step,
             "scaler": self.net.scaler.state_dict(),
             "rng": gather_objects(checkpoint.capture_rng()),  # one entry per process
-            "meter": self.meter.state().cpu(),
+            "meter": torch.stack(gather_objects(self.meter.state().cpu())),  # each process's own sums
             "metrics": self.metrics.rows,
             "callbacks": {callback_key(i, cb): cb.state_dict() for i, cb in enumerate(self.callbacks)},
             "seconds": self.seconds(),
@@ -201,7 +204,7 @@ class Run:
         if payload.get("scaler"):  # empty unless trainer.amp=fp16
             self.net.scaler.load_state_dict(payload["scaler"])
         checkpoint.restore_rng(payload["rng"][s.dist.rank])
-        self.meter.load(payload["meter"])
+        self.meter.load(payload["meter"], s.dist.rank)
         self.metrics.restore(payload["metrics"])
         for row in payload["metrics"]:
             record_eval(self.summary, row)
@@ -412,7 +415,7 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
     summary["backends"] = configure_backends(cfg.trainer.tf32, cfg.trainer.deterministic)
     d = distributed.from_environment()
     device = resolve_device(cfg.trainer.device, d.local_rank if d.enabled else None)
-    distributed.init_process_group(d, device)
+    distributed.init_process_group(d, device, float(cfg.trainer.dist_timeout))
     batch_size = distributed.split_batch(cfg.trainer.batch_size, d)
     bundle = build_data(cfg.data)
     summary["data_files"] = data_identity(cfg.data)  # compared by a re-run (the fingerprint holds settings only)
@@ -512,7 +515,8 @@ def train(cfg: DictConfig, run_dir: Path, callbacks: list[Callback] | None = Non
                                "config": OmegaConf.to_container(cfg, resolve=True)}
     try:
         validate(cfg)
-        fit(cfg, run_dir, summary, list(callbacks or []))
+        with distributed.peers_timeout_named(float(cfg.trainer.dist_timeout)):
+            fit(cfg, run_dir, summary, list(callbacks or []))
     except Preempted:
         raise
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started: no checkpoint

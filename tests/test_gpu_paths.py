@@ -3,6 +3,8 @@ replaced by a stand-in (the GPU itself is tested by the ``cuda`` tests, tests/te
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,44 @@ def test_gpu_check_plans_every_check_and_summarizes_them() -> None:
     assert "| tests | pass | 60.0 |" in text and "| bench-run | FAIL | 300.0 |" in text
     assert "ResNet-20 bn, CIFAR-10-sized, 120 epochs (bf16, channels_last, compile): 1.9 minutes" in text
     assert "| run | eager | 2.0 | 1.1 |" in text
+
+
+def test_gpu_check_runs_the_named_checks_only() -> None:
+    """``make gpu-check CHECKS="tests bench-step"``: a lease too short for every check runs some."""
+    from bnexp.bench.gpu_check import checks, chosen
+
+    assert [name for name, _ in chosen(checks(True), ["bench-step", "tests"])] == ["tests", "bench-step"]
+    assert chosen(checks(True), []) == checks(True)
+    with pytest.raises(SystemExit, match="unknown check 'bench-nope'; checks: tests, bench-norms"):
+        chosen(checks(True), ["bench-nope"])
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_offline_requirements_expand_the_projects_own_extras() -> None:
+    """``make wheels`` / ``install-offline`` ask pip for these names among wheels, where no
+    ``bnexp[plot,...]`` exists (the first ``make gpu-check`` on an H100 stopped there)."""
+    out = subprocess.run([sys.executable, "scripts/offline_requirements.py"], cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout.splitlines()
+    assert not [line for line in out if line.lower().startswith(("bnexp", "torch"))]
+    assert {"matplotlib>=3.7", "hydra-submitit-launcher>=1.2", "safetensors>=0.4", "pytest>=8.0"} <= set(out)
+    assert len(out) == len(set(out))
+
+
+def test_venv_made_by_a_venv_sees_its_packages(tmp_path: Path) -> None:
+    """GPU images whose python3 is itself a venv holding PyTorch: ``venv --system-site-packages``
+    made from it sees the base Python's packages only (the first ``make gpu-check`` on an H100
+    found no torch); scripts/see_node_packages.py adds the maker's own site-packages."""
+    node, made = tmp_path / "node", tmp_path / "made"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(node)], check=True)
+    node_python = node / "bin" / "python"
+    site = subprocess.run([str(node_python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    (Path(site) / "node_only_package.py").write_text("HERE = True\n")
+    subprocess.run([str(node_python), "-m", "venv", "--system-site-packages", "--without-pip", str(made)], check=True)
+    probe = [str(made / "bin" / "python"), "-c", "import node_only_package"]
+    assert subprocess.run(probe, capture_output=True).returncode != 0
+    subprocess.run([str(node_python), str(REPO / "scripts" / "see_node_packages.py"), str(made)], check=True,
+                   capture_output=True)
+    assert subprocess.run(probe, capture_output=True).returncode == 0

@@ -13,6 +13,7 @@ from bnexp.nn import (
     BatchRenorm1d,
     BatchRenorm2d,
     CBN2d,
+    FourThingsBN2d,
     NormFamily2d,
     POPNorm2d,
     ScaleInvariantBN1d,
@@ -312,6 +313,7 @@ COMPILED = {
     "popnorm": (lambda: POPNorm2d(3), True),
     "brn_ramp": (lambda: BatchRenorm2d(3, ramp_steps=2), False),
     "bn_si": (conv_bn_si, False),
+    "bn_4things": (lambda: FourThingsBN2d(3, ghost_batch=2, groups=3, alpha=0.2), True),  # a short last ghost batch
 }
 
 

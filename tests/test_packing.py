@@ -426,7 +426,7 @@ EVERY_MODEL = {  # (overrides, image size)
     "efficientnet_b0": (["model=efficientnet_b0", "model.width_mult=0.25", "model.depth_mult=0.25", "model.dropout=0",
                          "model.stochastic_depth=0"], 16),
 }
-EVERY_NORM = ["bn", "bn_si", "brn", "gn", "ln", "none", "cbn", "popnorm", "bnp", "bnp_gn"]
+EVERY_NORM = ["bn", "bn_si", "brn", "gn", "ln", "none", "cbn", "popnorm", "bnp", "bnp_gn", "bn_4things"]
 # Every norm on the small models; on the large ones (whose layers the small ones share)
 # plain and AMAT per-channel statistics, to keep the suite under its 10 minutes.
 LARGE = ("preact_resnet110", "resnet18", "resnet50", "vgg16", "efficientnet_b0")
@@ -439,7 +439,8 @@ def test_every_model_and_norm_packs_exactly(model: str, norm: str, tmp_path: Pat
     """Two training steps of every model under every norm, packed against alone, in float64:
     the same weights and statistics to rounding (relative to each tensor's magnitude)."""
     overrides, size = EVERY_MODEL[model]
-    groups = ["norm.groups=2"] if "gn" in norm else []
+    groups = ["norm.groups=2"] if "gn" in norm or norm == "bn_4things" else []
+    groups += ["norm.ghost_batch=2"] if norm == "bn_4things" else []
     cfg = compose_cfg([*overrides, f"norm={norm}", *PROTOCOL, *groups, "optim.lr=1e-3"])
     spec = DataSpec(10, 3, size)
     models = [seeded(cfg, spec, run) for run in range(RUNS)]

@@ -219,9 +219,9 @@ def small_cbn_net() -> nn.Module:
 
 def test_compiled_step_matches_eager_and_is_traced_once() -> None:
     """trainer.compile compiles the optimizer step too, its learning rate a tensor: after the
-    first two steps (the first creates the momentum buffers, so the second is traced again)
-    the milestone at step 2 changes the rate without a new graph, and the weights follow the
-    eager run's (to float32 rounding of reordered sums)."""
+    first two steps (the first, which creates the momentum buffers, runs eagerly; the second
+    is traced) the milestone at step 2 changes the rate without a new graph, and the weights
+    follow the eager run's (to float32 rounding of reordered sums)."""
     from torch._dynamo.utils import counters
 
     runs = []
@@ -245,6 +245,33 @@ def test_compiled_step_matches_eager_and_is_traced_once() -> None:
     assert float(compiled_opt.param_groups[0]["lr"]) == pytest.approx(eager_opt.param_groups[0]["lr"], rel=1e-12)
     for a, b in zip(eager.model.parameters(), compiled.model.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_second_optimizer_compiled_in_one_process_steps() -> None:
+    """A sweep's next job (or a benchmark's next case) compiles a second optimizer step in the
+    same process, for a model with other parameters. Found by ``make gpu-check`` on an H100
+    (``bench step`` stopped at its second norm) and reproduced here on the CPU: tracing the
+    step that creates the momentum buffers broke dynamo ("speculation log divergence") the
+    second time. Both models train, and each matches its eager twin."""
+    def model(hidden: int) -> nn.Module:
+        torch.manual_seed(hidden)
+        return nn.Sequential(*[nn.Linear(4, 4) for _ in range(hidden)])
+
+    for hidden in (1, 2):
+        nets = [Accelerated(model(hidden), CPU, compile=compile_) for compile_ in (False, True)]
+        opts = []
+        for net in nets:
+            params = list(net.model.parameters())  # two groups, as build_optimizer makes them
+            opts.append(torch.optim.SGD([{"params": params[:1]}, {"params": params[1:]}], lr=0.1, momentum=0.9))
+        for step in range(3):
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+            for net, opt in zip(nets, opts):
+                opt.zero_grad()
+                net.backward(net(x).square().mean(), opt)
+                net.step(opt)
+        for a, b in zip(nets[0].model.parameters(), nets[1].model.parameters()):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
 def test_compiled_evaluation_is_one_graph_for_every_batch_size() -> None:

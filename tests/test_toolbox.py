@@ -156,34 +156,6 @@ def test_checkpoints_load_with_weights_only(norm: str, tmp_path: Path, capsys) -
     assert payload["step"] == 4 and isinstance(payload["rng"][0]["numpy"]["keys"], torch.Tensor)
 
 
-def test_older_checkpoints_load_only_when_their_checksum_vouches(tmp_path: Path, caplog) -> None:
-    import numpy as np
-
-    from bnexp import checkpoint
-
-    payload = {"model": {}, "optimizer": {}, "scheduler": {}, "step": 3,
-               "rng": [checkpoint.capture_rng() | {"numpy": np.random.get_state()}]}  # the format before 2026-11-23
-    path = tmp_path / "step-000000003.pt"
-    checkpoint.save(payload, path)
-    assert checkpoint.load(path)["step"] == 3 and "older bnexp" in caplog.text
-    checkpoint.checksum_path(path).unlink()  # a file nobody vouches for: never unpickled in full
-    with pytest.raises(ValueError, match="no checksum file"):
-        checkpoint.load(path, require_checksum=False)
-
-
-def test_rng_states_of_older_checkpoints_still_restore() -> None:
-    import numpy as np
-
-    from bnexp.checkpoint import capture_rng, restore_rng
-
-    np.random.seed(3)
-    old = capture_rng()
-    old["numpy"] = np.random.get_state()  # the tuple checkpoints held before 2026-11-23
-    expected = np.random.rand(3)
-    restore_rng(old)
-    assert np.array_equal(np.random.rand(3), expected)
-
-
 def test_init_from_takes_weights_only(tmp_path: Path, capsys) -> None:
     import torch
 

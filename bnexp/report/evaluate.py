@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from bnexp import checkpoint
 from bnexp.bench.common import compose_train
-from bnexp.commands import exit_on_error, run_dir_argument, split_options
+from bnexp.commands import exit_on_error, output_errors, run_dir_argument, split_options
 from bnexp.config import DEVICES
 from bnexp.data import build_data
 from bnexp.errors import ConfigError, unknown_choice
@@ -64,11 +64,10 @@ def evaluate_run(run_dir: Path, overrides: list[str], split: str = "test", devic
         raise unknown_choice("split", split, SPLITS)
     if device not in DEVICES:
         raise unknown_choice("device", device, DEVICES)
-    run_cfg = checkpoint.finished_run_config(run_dir, "eval")
+    run_cfg, payload = checkpoint.finished_run(run_dir, "eval")
     data_cfg = data_config(run_cfg, overrides, split)
     bundle = build_data(data_cfg)
     model = build_model(run_cfg.model, run_cfg.norm, run_cfg.act.name, bundle.spec)
-    payload = checkpoint.load(run_dir / checkpoint.FINAL, require_checksum=False)
     try:
         model.load_state_dict(payload["model"])
     except RuntimeError as err:
@@ -86,7 +85,9 @@ def evaluate_run(run_dir: Path, overrides: list[str], split: str = "test", devic
     entries = json.loads(path.read_text()) if path.is_file() else {}
     changed = [o for o in overrides if o.startswith("data.")]
     entries[f"{data_cfg.name}{'(' + ','.join(changed) + ')' if changed else ''}/{split}"] = entry
-    write_json(path, entries)
+    with output_errors(f"bnexp eval: cannot write {EVAL_FILE} in the run folder {run_dir}", "make the folder "
+                       "writable (nothing was changed there)"):
+        write_json(path, entries)
     return entry
 
 

@@ -14,6 +14,7 @@ weights in a form other tools load.
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any, Mapping
@@ -24,10 +25,10 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from bnexp import checkpoint
-from bnexp.commands import exit_on_error, run_dir_argument, split_options
+from bnexp.commands import exit_on_error, output_errors, run_dir_argument, split_options
 from bnexp.errors import ConfigError, unknown_choice
 from bnexp.models import DataSpec, build_model
-from bnexp.runinfo import version_stamp
+from bnexp.runinfo import atomic_write, version_stamp
 
 FORMATS = ("torchvision", "safetensors")
 TORCHVISION_ACT = {"resnet18": "relu", "resnet50": "relu", "efficientnet_b0": "swish"}  # torchvision's activation
@@ -35,9 +36,9 @@ TORCHVISION_ACT = {"resnet18": "relu", "resnet50": "relu", "efficientnet_b0": "s
 
 def run_parts(run_dir: Path) -> tuple[DictConfig, dict[str, torch.Tensor], DataSpec]:
     """A finished run's config, final weights and data shape (classes from its summary)."""
-    cfg = checkpoint.finished_run_config(run_dir, "export")
+    cfg, payload = checkpoint.finished_run(run_dir, "export")
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
-    weights = checkpoint.load_weights(run_dir)
+    weights = payload["model"]
     classes = summary.get("num_classes") or int(cfg.data.num_classes)
     spec = DataSpec(int(classes), int(cfg.data.get("channels", 3)), int(cfg.data.get("image_size", 32)))
     return cfg, weights, spec
@@ -67,28 +68,35 @@ def sidecar(cfg: DictConfig, spec: DataSpec) -> dict[str, Any]:
             "in_channels": spec.in_channels, "image_size": spec.image_size}, **version_stamp()}
 
 
+def fitted_model(info: Mapping[str, Any], weights: Mapping[str, torch.Tensor], source: str) -> nn.Module:
+    """The model ``info`` (a :func:`sidecar`) describes with ``weights`` loaded (eval mode); a
+    ConfigError naming ``source`` if they do not fit it."""
+    model = build_model(info["model"], info["norm"], info["act"], DataSpec(**info["data_spec"]))
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as err:
+        raise ConfigError(f"{source}: the weights do not fit the model its settings describe "
+                          f"({str(err).splitlines()[1].strip()})") from None
+    return model.eval()
+
+
 def rebuild(path: Path) -> nn.Module:
     """The model a ``format=safetensors`` export holds, weights loaded (eval mode)."""
     from safetensors.torch import load_file
 
-    info = json.loads(Path(f"{path}.json").read_text())
-    model = build_model(info["model"], info["norm"], info["act"], DataSpec(**info["data_spec"]))
-    model.load_state_dict(load_file(str(path)))
-    return model.eval()
+    return fitted_model(json.loads(Path(f"{path}.json").read_text()), load_file(str(path)), str(path))
 
 
-def same_logits(cfg: DictConfig, weights: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
-                spec: DataSpec) -> None:
-    """A ConfigError unless torchvision's model with ``state`` computes the run's logits
-    (settings torchvision does not have, such as another ``norm.eps``, would change them)."""
-    ours = build_model(cfg.model, cfg.norm, cfg.act.name, spec)
-    ours.load_state_dict(weights)
+def same_logits(ours: nn.Module, cfg: DictConfig, state: Mapping[str, torch.Tensor], spec: DataSpec) -> None:
+    """A ConfigError unless torchvision's model with ``state`` computes the logits of ``ours``,
+    the run's model (settings torchvision does not have, such as another ``norm.eps``, would
+    change them)."""
     theirs = getattr(torchvision.models, str(cfg.model.name))(num_classes=spec.num_classes)
     theirs.load_state_dict(state)
     x = torch.randn(2, spec.in_channels, max(spec.image_size, 32), max(spec.image_size, 32),
                     generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        a, b = ours.eval()(x), theirs.eval()(x)
+        a, b = ours(x), theirs.eval()(x)
     gap = (a - b).abs().max().item()
     if not gap <= 1e-4 * max(1.0, a.abs().max().item()):
         raise ConfigError(f"format=torchvision: torchvision's {cfg.model.name} with these weights computes other logits "
@@ -96,34 +104,48 @@ def same_logits(cfg: DictConfig, weights: Mapping[str, torch.Tensor], state: Map
                           "use format=safetensors")
 
 
+def write_files(files: Mapping[Path, bytes]) -> None:
+    """Each file through :func:`atomic_write` (its folder made first); a ConfigError naming
+    the folder that cannot be written (read-only, full) instead of an OSError."""
+    for path, data in files.items():
+        with output_errors(f"bnexp export: cannot write {path.name} in {path.parent}", "choose another file with "
+                           "out=PATH"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, lambda f, data=data: f.write(data))
+
+
 def export(run_dir: Path, fmt: str = "", out: str = "") -> Path:
     """Write a run's final weights in ``fmt`` (default: torchvision where the run has a
-    torchvision counterpart, else safetensors); the file written."""
+    torchvision counterpart, else safetensors); the file written. The weights must fit the
+    model the run's config describes, as :func:`rebuild` will build it, before anything is
+    written."""
     if fmt not in ("", *FORMATS):
         raise unknown_choice("format", fmt, FORMATS)
     cfg, weights, spec = run_parts(run_dir)
+    info = sidecar(cfg, spec)
+    ours = fitted_model(info, weights, f"bnexp export: {run_dir / checkpoint.FINAL} with {run_dir / 'config.yaml'}")
     if fmt in ("", "torchvision"):
         try:
             state = torchvision_state(cfg, weights, spec.num_classes)
-            same_logits(cfg, weights, state, spec)
+            same_logits(ours, cfg, state, spec)
         except ConfigError:
             if fmt:
                 raise
             state = None
         if state is not None:
             path = Path(out or run_dir / f"torchvision_{cfg.model.name}.pt")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(state, path)
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            write_files({path: buffer.getvalue()})
             return path
     try:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
     except ImportError as err:
         raise ConfigError("format=safetensors needs the safetensors package: pip install 'bnexp[export]'") from err
     path = Path(out or run_dir / "model.safetensors")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    info = sidecar(cfg, spec)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(path), metadata={"format": "bnexp"})
-    Path(f"{path}.json").write_text(json.dumps(info, indent=2, default=str))
+    tensors = save({k: v.contiguous() for k, v in weights.items()}, metadata={"format": "bnexp"})
+    # the sidecar first: no weights are written without what rebuilds them
+    write_files({Path(f"{path}.json"): json.dumps(info, indent=2, default=str).encode(), path: tensors})
     return path
 
 

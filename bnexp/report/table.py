@@ -1,9 +1,11 @@
 """``bnexp table <paper>/<name>``: a preset's results in the paper's layout; ``bnexp table
 DIR rows=KEY cols=KEY``: any sweep's results grouped by the overrides that vary.
 
-Each cell is ``mean ± std (n)`` over the completed runs, beside the published value and
-the difference. Runs that diverged or failed, and runs the sweep should have made but
-did not, are counted in the cell's parentheses, never dropped silently. A preset's table
+Each cell is ``mean ± std (n)`` over the completed runs, beside the published value, the
+difference and, where the paper printed a spread and its run count, a verdict: a two-sided
+Welch test at level :data:`LEVEL` (:func:`verdict`), counted in a closing line. Runs that
+diverged or failed, and runs the sweep should have made but did not, are counted in the
+cell's parentheses, never dropped silently. A preset's table
 counts only the runs whose fingerprint is one of its cells' (:attr:`Preset.expected`); the
 others in its folder are reported as not in the table.
 """
@@ -19,9 +21,10 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import pandas as pd
+from scipy import stats as scipy_stats
 
 from bnexp.commands import exit_on_error
 from bnexp.errors import ConfigError, unknown_choice
@@ -38,8 +41,12 @@ LATEX_TEXT = {"±": r"$\pm$", "Δ": r"$\Delta$", "–": "--", "×": r"$\times$",
               "κ": r"$\kappa$", "τ": r"$\tau$", "≤": r"$\leq$", "≥": r"$\geq$"}
 LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
                  "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+LEVEL = 0.05  # level of the two-sided Welch test of a cell against its published mean ± std
 LEGEND = ("cell: mean ± std (completed runs; diverged, failed and missing runs); "
           "paper: the published value; Δ: ours minus paper")
+TEST_LEGEND = (f"test: two-sided Welch t-test of our runs against the published mean ± std and run count at level "
+               f"{LEVEL:g}, agree (p ≥ {LEVEL:g}) or differ, with its p-value; missing: fewer than 2 completed runs")
+VERDICTS = ("agree", "differ", "missing")
 
 
 @dataclass
@@ -125,8 +132,16 @@ def cell(frame: pd.DataFrame, layout: Layout, keys: Mapping[str, Any], metric: s
     return stats(select(runs, {layout.tune: choice}), metric, expected, choice)
 
 
-def paper_value(layout: Layout, keys: Mapping[str, Any], metric: str) -> tuple[float, float] | None:
-    """(mean, std) published for this cell, if the paper printed one."""
+class Published(NamedTuple):
+    """A published cell: its mean, std and the paper's runs per cell (NaN where not printed)."""
+
+    mean: float
+    std: float
+    runs: float
+
+
+def paper_value(layout: Layout, keys: Mapping[str, Any], metric: str) -> Published | None:
+    """(mean, std, runs) published for this cell, if the paper printed one."""
     if layout.paper is None:
         return None
     ref = published()
@@ -134,15 +149,49 @@ def paper_value(layout: Layout, keys: Mapping[str, Any], metric: str) -> tuple[f
     for axis in (*layout.rows, *layout.columns):
         if axis.published:
             ref = ref[ref[axis.published].map(lambda v: same(v, keys[axis.key]))]
-    return (float(ref["mean"].iloc[0]), float(ref["std"].iloc[0])) if len(ref) else None
+    return Published(*(float(ref[col].iloc[0]) for col in Published._fields)) if len(ref) else None
 
 
-def fmt_paper(value: tuple[float, float] | None) -> str:
+def fmt_paper(value: Published | None) -> str:
     """A published value: ``mean ± std``, or the mean alone where no std was printed."""
     if value is None:
         return ""
-    mean, std = value
-    return f"{mean:.2f}" if math.isnan(std) else f"{mean:.2f} ± {std:.2f}"
+    return f"{value.mean:.2f}" if math.isnan(value.std) else f"{value.mean:.2f} ± {value.std:.2f}"
+
+
+def welch_p(ours: Cell, paper: Published) -> float:
+    """The two-sided p-value of Welch's t-test between our runs and the published ones
+    (sample standard deviations, Welch-Satterthwaite degrees of freedom). Two groups
+    without spread: 1 when their means are equal (scipy gives NaN), 0 otherwise."""
+    p = scipy_stats.ttest_ind_from_stats(ours.mean, ours.std, ours.n, paper.mean, paper.std, int(paper.runs),
+                                         equal_var=False).pvalue
+    return 1.0 if math.isnan(p) else float(p)
+
+
+def verdict(ours: Cell, paper: Published | None) -> str:
+    """``agree p=...`` or ``differ p=...`` (Welch at :data:`LEVEL`), ``missing`` with fewer
+    than 2 completed runs, nothing where the paper printed no std or fewer than 2 runs."""
+    if paper is None or math.isnan(paper.std) or not paper.runs >= 2:
+        return ""
+    if ours.n < 2:
+        return "missing"
+    p = welch_p(ours, paper)
+    return f"{'agree' if p >= LEVEL else 'differ'} p={p:.2g}"
+
+
+def test_columns(table: pd.DataFrame) -> list[str]:
+    """The table's ``test`` columns (the verdicts)."""
+    return [c for c in table.columns if str(c).endswith(" test")]
+
+
+def legend_of(table: pd.DataFrame) -> str:
+    """The legend, and with verdicts the test's description and the closing line that counts
+    how many cells agree with, differ from and miss their published value."""
+    cells = [str(v).split(" ")[0] for c in test_columns(table) for v in table[c]]
+    if not cells:
+        return LEGEND
+    counts = ", ".join(f"{cells.count(v)} {v}" for v in VERDICTS)
+    return f"{LEGEND}; {TEST_LEGEND}\n\nWelch test at level {LEVEL:g} over the cells with a published mean ± std: {counts}"
 
 
 def fmt_diff(a: float, b: float) -> str:
@@ -193,14 +242,16 @@ def build(layout: Layout, frame: pd.DataFrame, default_seed: int = 0) -> pd.Data
             means[name] = (ours.mean, paper[0] if paper else math.nan)
             improv[name] = fmt_diff(ours.mean, baseline[name][0]) if baseline else ""
             if layout.paper:
-                line |= {f"{name} paper": fmt_paper(paper), f"{name} Δ": fmt_diff(*means[name])}
+                line |= {f"{name} paper": fmt_paper(paper), f"{name} Δ": fmt_diff(*means[name]),
+                         f"{name} test": verdict(ours, paper) if expected(keys) else ""}
                 improv |= {f"{name} paper": fmt_diff(paper[0] if paper else math.nan, baseline[name][1]) if baseline else "",
-                           f"{name} Δ": ""}
+                           f"{name} Δ": "", f"{name} test": ""}
         lines.append(line)
         if layout.improv and baseline:
             lines.append(improv)
         baseline = baseline or means
-    return pd.DataFrame(lines)
+    table = pd.DataFrame(lines)
+    return table.drop(columns=[c for c in test_columns(table) if not table[c].any()])  # no published spread
 
 
 def column_name(layout: Layout, col: Mapping[str, Any], metric: str) -> str:
@@ -215,7 +266,7 @@ def render(table: pd.DataFrame, fmt: str, title: str, figure: bytes | None = Non
     if fmt == "markdown":
         return f"{title}\n\n{table.to_markdown(index=False, disable_numparse=True)}\n\n{legend}\n"
     if fmt == "latex":
-        return latex(table, f"{title}. {legend}.")
+        return latex(table, f"{title}. {' '.join(legend.split())}.")
     if fmt == "csv":
         return table.to_csv(index=False)
     if fmt == "html":
@@ -225,8 +276,8 @@ def render(table: pd.DataFrame, fmt: str, title: str, figure: bytes | None = Non
 
 def grouped(table: pd.DataFrame) -> pd.DataFrame:
     """The table with two header rows, as the papers print it: each measured column with its
-    ``paper`` and ``Δ`` columns under one heading (``ours``, ``paper``, ``Δ``); the label
-    columns' names on the lower row."""
+    ``paper``, ``Δ`` and ``test`` columns under one heading (``ours``, ``paper``, ``Δ``,
+    ``test``); the label columns' names on the lower row."""
     names = list(table.columns)
     measured = {n.removesuffix(" paper") for n in names if n.endswith(" paper")}
     if not measured:  # a sweep's table: one header row
@@ -239,6 +290,8 @@ def grouped(table: pd.DataFrame) -> pd.DataFrame:
             header.append((n.removesuffix(" paper"), "paper"))
         elif n.endswith(" Δ") and n.removesuffix(" Δ") in measured:
             header.append((n.removesuffix(" Δ"), "Δ"))
+        elif n.endswith(" test") and n.removesuffix(" test") in measured:
+            header.append((n.removesuffix(" test"), "test"))
         else:
             header.append(("", n))
     out = table.copy()
@@ -353,7 +406,7 @@ def table_text(p: Preset, results: Path, fmt: str = "markdown") -> str:
     figure = None
     if fmt == "html" and not runs.empty:
         figure = figure_png(lambda plot: plot.draw(p.layout, runs, ("train_loss", "test_acc"), ()))
-    return render(table, fmt, f"{p.layout.title} ({results})", figure)
+    return render(table, fmt, f"{p.layout.title} ({results})", figure, legend_of(table))
 
 
 # ---- any sweep's folder ----------------------------------------------------------------

@@ -1,0 +1,256 @@
+"""Checkpoints and run folders from elsewhere: loading never runs code from a file, and a
+damaged, mismatched or unwritable run folder is one line and exit 2 under eval, export and
+a re-run. Each test is named in docs/resilience.md's fault table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from bnexp import checkpoint
+from bnexp.errors import EXIT_CONFIG
+from tests.conftest import TINY, run_cli
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "resilience.md"
+
+
+class RunsCode:
+    """Unpickled in full, this calls ``exec``, as a hostile checkpoint would: it writes ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding ``results/`` with one finished TINY run, trained in the default run
+    directory as ``bnexp train *TINY`` names it."""
+    root = tmp_path_factory.mktemp("finished")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        from bnexp.cli import main
+
+        main(["train", *TINY])
+    return root
+
+
+@pytest.fixture
+def run(finished: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of the finished run, with the working directory where ``bnexp train *TINY`` finds
+    it; its path from there, as a user would type it."""
+    shutil.copytree(finished / "results", tmp_path / "results")
+    monkeypatch.chdir(tmp_path)
+    return next(Path("results", "runs").iterdir())
+
+
+def rewrite(path: Path, change: dict, old_format: bool = False) -> None:
+    """Save ``path``'s payload again with ``change`` merged in (and numpy's random state as the
+    array bnexp stored before 2026-11-23 if ``old_format``), with a matching ``.sha256``."""
+    payload = torch.load(path, weights_only=True) | change
+    if old_format:
+        payload["rng"][0]["numpy"] = np.random.get_state()
+    checkpoint.save(payload, path)
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def error_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("bnexp: error:")]
+
+
+def as_preempted(run: Path) -> Path:
+    """Turn the finished run into one stopped at step 2 with a periodic checkpoint to resume
+    from; that checkpoint's path."""
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "status": "preempted", "steps": 2}))
+    periodic = checkpoint.periodic_path(run, 2)
+    periodic.parent.mkdir()
+    shutil.copy(run / checkpoint.FINAL, periodic)
+    shutil.copy(checkpoint.checksum_path(run / checkpoint.FINAL), checkpoint.checksum_path(periodic))
+    (run / checkpoint.FINAL).unlink()
+    return periodic
+
+
+# Each path that loads a checkpoint: (the file it loads, the command line) for a run folder.
+PATHS = {
+    "init_from": lambda run: (run / checkpoint.FINAL, ["train", *TINY, f'trainer.init_from="{run}"']),
+    "resume_file": lambda run: (run / checkpoint.FINAL, ["train", *TINY, "trainer.max_steps=6",
+                                                         f'trainer.resume="{run / checkpoint.FINAL}"']),
+    "auto_resume": lambda run: (as_preempted(run), ["train", *TINY]),
+    "eval": lambda run: (run / checkpoint.FINAL, ["eval", str(run)]),
+    "export": lambda run: (run / checkpoint.FINAL, ["export", str(run)]),
+}
+
+
+@pytest.mark.parametrize("old_format", [False, True], ids=["format-now", "format-before-2026-11-23"])
+@pytest.mark.parametrize("path", PATHS)
+def test_checkpoint_that_would_run_code_is_refused(path: str, old_format: bool, run: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint whose unpickling calls exec, with a matching .sha256 beside it: never
+    unpickled in full on any path; one line, exit 2, the run folder's files unchanged."""
+    marker = tmp_path / "marker"
+    file, args = PATHS[path](run)
+    rewrite(file, {"extra": RunsCode(marker)}, old_format)
+    before = files_of(run / checkpoint.CHECKPOINT_DIR) if path == "auto_resume" else files_of(run)
+    code, out = run_cli(args, capsys)
+    assert not marker.exists(), "the checkpoint's code ran"
+    assert code == EXIT_CONFIG and "Traceback" not in out, out
+    lines = error_lines(out)
+    assert len(lines) == 1 and lines[0].startswith("bnexp: error: refused checkpoint "), out
+    assert f"{file}: unpickling it needs {'numpy' if old_format else 'exec'}" in lines[0]
+    assert "docs/resilience.md (\"Checkpoints of older versions\")" in lines[0]
+    assert (files_of(run / checkpoint.CHECKPOINT_DIR) if path == "auto_resume" else files_of(run)) == before
+
+
+def test_no_bnexp_code_unpickles_in_full() -> None:
+    """weights_only=True is the only way bnexp's own code calls torch.load."""
+    package = Path(checkpoint.__file__).parent
+    calls = [(p.name, line.strip()) for p in package.rglob("*.py") for line in p.read_text().splitlines()
+             if "torch.load(" in line and "weights_only=True" not in line]
+    assert calls == []
+
+
+def conversion_command() -> str:
+    """The shell command docs/resilience.md gives to convert a trusted older checkpoint."""
+    section = DOCS.read_text().split("### Checkpoints of older versions", 1)[1]
+    return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+
+
+def test_older_checkpoint_is_refused_then_converted_by_the_documented_command(
+        run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["eval", str(run)], capsys)[0] == 0
+    expected = json.loads((run / "eval.json").read_text())["synthetic/test"]
+    (run / "eval.json").unlink()
+    np.random.seed(7)
+    state = np.random.get_state()
+    rewrite(run / checkpoint.FINAL, {}, old_format=True)
+    code, out = run_cli(["eval", str(run)], capsys)
+    assert code == EXIT_CONFIG and "unpickling it needs numpy" in out and not (run / "eval.json").exists()
+    command = conversion_command().replace("RUN/checkpoint.pt", str(run / checkpoint.FINAL))
+    done = subprocess.run(["bash", "-c", command.replace("python ", f"{sys.executable} ", 1)], capture_output=True,
+                          text=True)
+    assert done.returncode == 0 and done.stdout == f"converted {run / checkpoint.FINAL}\n", done.stderr
+    payload = checkpoint.load(run / checkpoint.FINAL)  # weights_only=True, checksum verified
+    np.random.seed(0)
+    checkpoint.restore_rng(payload["rng"][0])
+    assert np.array_equal(np.random.get_state()[1], state[1]) and np.random.get_state()[2] == state[2]
+    code, out = run_cli(["eval", str(run)], capsys)
+    assert code == 0, out
+    again = json.loads((run / "eval.json").read_text())["synthetic/test"]
+    assert (again["test_loss"], again["test_acc"]) == (expected["test_loss"], expected["test_acc"])
+
+
+def test_eval_of_a_damaged_checkpoint_is_one_line(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    final = run / checkpoint.FINAL
+    final.write_bytes(final.read_bytes()[:1000])
+    before = files_of(run)
+    for command in ("eval", "export"):
+        code, out = run_cli([command, str(run)], capsys)
+        assert code == EXIT_CONFIG and "Traceback" not in out, out
+        assert error_lines(out) == [line for line in out.splitlines() if line] and \
+            f"damaged checkpoint {final}: its sha256 is" in out
+    assert files_of(run) == before
+
+
+DAMAGED_CONFIGS = {
+    "not yaml": ("model: [resnet20\n", "damaged run config {}: ParserError"),
+    "binary": (b"\x80\x81\xfe\xff" * 8, "damaged run config {}: UnicodeDecodeError"),
+    "a list": ("- model\n- norm\n", "damaged run config {}: not a mapping with the sections model, norm, act, data"),
+    "a bad interpolation": ("model: ${nope.nope}\nnorm: {}\nact: {}\ndata: {}\n", "damaged run config {}: "),
+    "cut short": (None, "no longer holds the settings checkpoint.pt was trained with (probes: [] there, '<unset>' "
+                        "here; 'there' is the checkpoint)"),
+}
+
+
+def damage(config: Path, kind: str) -> None:
+    text = DAMAGED_CONFIGS[kind][0]
+    if text is None:  # cut at a line end: valid YAML that lost its last setting
+        text = "".join(config.read_text().splitlines(keepends=True)[:-1])
+    (config.write_bytes if isinstance(text, bytes) else config.write_text)(text)
+
+
+@pytest.mark.parametrize("kind", DAMAGED_CONFIGS)
+def test_damaged_run_config_is_one_line_and_noticed_by_the_rerun(kind: str, run: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    config = run / "config.yaml"
+    damage(config, kind)
+    before = files_of(run)
+    for command in ("eval", "export"):
+        code, out = run_cli([command, str(run)], capsys)
+        assert code == EXIT_CONFIG and "Traceback" not in out, out
+        assert error_lines(out) == [line for line in out.splitlines() if line]
+        assert DAMAGED_CONFIGS[kind][1].format(config) in out and str(config) in out
+    assert files_of(run) == before
+    code, out = run_cli(["train", *TINY], capsys)  # the same command: the run's results stand, the damage is said
+    assert code == 0 and "skipped: already completed" in out and "Traceback" not in out, out
+    warning = "WARNING: its config.yaml is unusable: "
+    assert warning in out and "Its metrics and summary stand; trainer.resume=never trains it again" in out
+    assert warning in (run / "train.log").read_text()  # the only file the re-run changes: its log, appended
+    assert {k: v for k, v in files_of(run).items() if k != "train.log"} == {k: v for k, v in before.items()
+                                                                            if k != "train.log"}
+
+
+def test_export_refuses_a_config_that_no_longer_fits_its_weights(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("width: 4", "width: 8"))
+    before = files_of(run)
+    for command in ("export", "eval"):
+        code, out = run_cli([command, str(run)], capsys)
+        assert code == EXIT_CONFIG and "Traceback" not in out, out
+        assert error_lines(out) == [f"bnexp: error: bnexp {command}: {config} no longer holds the settings "
+                                    "checkpoint.pt was trained with (model.width: 4 there, 8 here; 'there' is the "
+                                    "checkpoint): put back the run's config (summary.json holds it under \"config\")"]
+    rewrite(run / checkpoint.FINAL, {"config": None})  # no record of its settings: the model is rebuilt to check
+    code, out = run_cli(["export", str(run)], capsys)
+    assert code == EXIT_CONFIG and error_lines(out) == [line for line in out.splitlines() if line], out
+    assert f"bnexp export: {run / checkpoint.FINAL} with {config}: the weights do not fit the model its settings " \
+        "describe (size mismatch for " in out
+    assert {name for name in files_of(run)} == set(before)  # nothing written: no model.safetensors
+
+
+@pytest.fixture
+def unprivileged() -> Iterator[list[str]]:
+    """The prefix that runs a command without root's power to write to read-only folders."""
+    if os.geteuid() != 0:
+        yield []
+        return
+    prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    if shutil.which("setpriv") is None or subprocess.run([*prefix, "true"]).returncode != 0:
+        pytest.skip("running as root, and setpriv cannot drop CAP_DAC_OVERRIDE here: a read-only folder cannot stop "
+                    "root's writes")
+    yield prefix
+
+
+@pytest.mark.slow
+def test_read_only_run_folder_is_one_line(run: Path, unprivileged: list[str]) -> None:
+    """A real read-only folder (root gives up the capability that ignores permissions)."""
+    before = files_of(run)
+    run.chmod(0o555)
+    try:
+        for command, then in (("eval", "make the folder writable"), ("export", "choose another file with out=PATH")):
+            done = subprocess.run([*unprivileged, sys.executable, "-m", "bnexp", command, str(run)],
+                                  capture_output=True, text=True)
+            out = done.stdout + done.stderr
+            assert done.returncode == EXIT_CONFIG and "Traceback" not in out, out
+            assert error_lines(out) == [line for line in out.splitlines() if line]
+            assert out.startswith(f"bnexp: error: bnexp {command}: cannot write ") and then in out
+            assert f" {run} (PermissionError: Permission denied)" in out
+    finally:
+        run.chmod(0o755)
+    assert files_of(run) == before
