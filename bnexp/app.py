@@ -32,6 +32,7 @@ from bnexp.distributed import from_environment
 from bnexp.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, ConfigError
 from bnexp.launch import check_gpus, follow_launcher, rank_overrides
 from bnexp.preemption import STOP_EXIT_CODES, Preempted
+from bnexp.runinfo import storage_error
 from bnexp.runlock import HELD_ENV, RunLock, RunLocked
 
 log = logging.getLogger("bnexp")
@@ -129,9 +130,9 @@ def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[
     try:
         outcomes = work()
     except Preempted as err:
-        for run_dir in run_dirs:  # a run of a pack may have diverged before the signal
-            diverged = stored_summary(run_dir).get("status") == "diverged"
-            record(run_dir, "diverged" if diverged else err.status, str(err))
+        for run_dir in run_dirs:  # a run may have diverged before the signal, or completed as it came
+            finished = stored_summary(run_dir).get("status")
+            record(run_dir, finished if finished in ("diverged", "completed") else err.status, str(err))
         report_error(f"{err}; re-run the same command to resume {where}")
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
@@ -150,8 +151,13 @@ def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[
     except Exception as err:  # recorded in summary.json with its traceback
         for run_dir in run_dirs:
             record(run_dir, "failed", f"{type(err).__name__}: {err}")
-        report_error(f"run failed with {type(err).__name__}: {err} (traceback in {run_dirs[0] / 'summary.json'})",
-                     traceback.format_exc())
+        if storage_error(err):  # its log and summary may not be writable either
+            report_error(f"cannot write to {where} ({type(err).__name__}: {err}): a full disk, a quota or a file-size "
+                         "limit (ulimit -f); what was written before is kept. Make room, then re-run the same command "
+                         "to resume", to_log=False)
+        else:
+            report_error(f"run failed with {type(err).__name__}: {err} (traceback in {run_dirs[0] / 'summary.json'})",
+                         traceback.format_exc())
         if not sweeping:
             sys.exit(EXIT_FAILED)
         return [math.nan] * len(run_dirs)
@@ -223,8 +229,25 @@ def train_pack_job(jobs: list[Job], sweeping: bool) -> list[Any]:
                     sys.exit(err.exit_code)
         if todo:
             dirs = [job.run_dir for job in todo]
-            values.update(zip(dirs, guarded(dirs, sweeping, lambda: pack_outcomes(todo))))
+            frozen = frozen_runs(jobs, todo)
+            members = [job for job in jobs if job in todo or job in frozen]
+            values.update(zip(dirs, guarded(dirs, sweeping, lambda: pack_outcomes(members, frozen))))
     return [values.get(job.run_dir, math.nan) for job in jobs]
+
+
+def frozen_runs(jobs: list[Job], todo: list[Job]) -> list[Job]:
+    """The runs of ``jobs`` that diverged in the pack that ``todo`` resumes (a pack with just
+    these runs and ``todo``'s): they go back into the pack, frozen, so that it keeps the
+    shapes, and so the rounding, of the pack that was interrupted. None when the pack that
+    diverged had other runs."""
+    resumed = {str(job.run_dir) for job in todo}
+    found = []
+    for job in jobs:
+        summary = {} if job in todo else stored_summary(job.run_dir)
+        if summary.get("status") == "diverged" and resumed <= set(summary.get("packed_with", [])):
+            found.append((job, {str(job.run_dir), *summary["packed_with"]}))
+    whole = resumed | {str(job.run_dir) for job, _ in found}
+    return [job for job, _ in found] if all(pack == whole for _, pack in found) else []
 
 
 def prepare_job(job: Job, write: bool) -> bool:
@@ -242,12 +265,13 @@ def prepare_job(job: Job, write: bool) -> bool:
     return False
 
 
-def pack_outcomes(jobs: list[Job]) -> list[tuple[str, Any]]:
-    """Train ``jobs`` as one pack; (status, final top-1) of each."""
+def pack_outcomes(jobs: list[Job], frozen: Sequence[Job] = ()) -> list[tuple[str, Any]]:
+    """Train ``jobs`` as one pack, those in ``frozen`` (diverged before) frozen in their slots;
+    (status, final top-1) of each of the others."""
     from bnexp.pack import train_pack
 
-    summaries = train_pack([job.cfg for job in jobs], [job.run_dir for job in jobs])
-    for job, summary in zip(jobs, summaries):
+    summaries = train_pack([job.cfg for job in jobs], [job.run_dir for job in jobs], [job in frozen for job in jobs])
+    for job, summary in zip([job for job in jobs if job not in frozen], summaries):
         log.info("%s: status %s, final top-1 %s", job.run_dir, summary["status"], summary.get("final_top1"))
     return [(summary["status"], result_value(summary["status"], summary)) for summary in summaries]
 

@@ -114,6 +114,17 @@ def fingerprint(cfg: DictConfig | Mapping[str, Any]) -> str:
     return short_hash(json.dumps(result_config(cfg), sort_keys=True, default=str), FINGERPRINT_CHARS)
 
 
+def run_differences(there: Mapping[str, Any], here: Mapping[str, Any],
+                    data_there: Mapping[str, Any] | None = None) -> str:
+    """What makes a recorded run (its config ``there`` and the identity of its data files,
+    ``data_there``) another run than ``here``: the settings that differ (:func:`differences`),
+    then the data files whose content changed since; empty for the same run."""
+    from bnexp.data.files import changed_files
+
+    settings = [differences(there, here)] if fingerprint(there) != fingerprint(here) else []
+    return "; ".join(settings + changed_files(data_there))
+
+
 def differences(there: Mapping[str, Any], here: Mapping[str, Any], limit: int = 6) -> str:
     """The keys whose values differ between two configs, as ``key: A there, B here``."""
     a, b = result_config(there), result_config(here)
