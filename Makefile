@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BNEXP := $(VENV)/bin/bnexp
 STAMP := $(VENV)/.bnexp-installed
 
-.PHONY: install test lint tex demo clean wheels install-offline gpu-check
+.PHONY: install test lint tex slurm demo clean wheels install-offline gpu-check
 
 install: $(STAMP)
 
@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+# Tests in parallel processes (pytest-xdist), one per core; the SLURM cluster's tests share
+# one process (their xdist_group). `pytest` alone runs them one at a time.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadgroup
 
 # ruff, configured in pyproject.toml ([tool.ruff]); CI runs it before the tests.
 lint: install
@@ -31,6 +33,14 @@ tex:
 		echo "pdflatex and booktabs are installed"; else \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 			$(TEX_PACKAGES) >/dev/null && kpsewhich booktabs.sty; fi
+
+# A one-node SLURM cluster on this machine (slurmctld, slurmd and munge from Debian's
+# packages, /etc/slurm/slurm.conf from scripts/slurm/slurm.conf.in), for the tests marked
+# `slurm` (skipped where it is not up). Debian or Ubuntu, as root; it starts the daemons each
+# time they are not running, and does nothing when the cluster is up. CI runs it before the
+# tests (docs/distributed.md).
+slurm:
+	scripts/slurm/up.sh
 
 # The main job, briefly. Exit code 3 means CIFAR-10 is not on disk and cannot be
 # downloaded; only then does the demo fall back to real digits (scikit-learn's bundled

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import traceback
 from contextlib import ExitStack
@@ -29,9 +30,10 @@ from bnexp.commands import print_error
 from bnexp.config import config_dir, meaningless, register_resolvers, validate
 from bnexp.distributed import from_environment
 from bnexp.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, ConfigError
-from bnexp.launch import check_gpus, rank_overrides
+from bnexp.launch import check_gpus, follow_launcher, rank_overrides
 from bnexp.preemption import STOP_EXIT_CODES, Preempted
-from bnexp.runlock import RunLock, RunLocked
+from bnexp.runinfo import storage_error
+from bnexp.runlock import HELD_ENV, RunLock, RunLocked
 
 log = logging.getLogger("bnexp")
 
@@ -48,6 +50,19 @@ def report_error(message: str, details: str = "", to_log: bool = True) -> None:
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
+
+
+def console_log_only_off_rank_0() -> None:
+    """Ranks above 0 log to their console only, so that rank 0 alone writes the run's
+    ``train.log``. Under torchrun their Hydra logging is off already (:func:`rank_overrides`);
+    Hydra's submitit launcher runs the whole Hydra job, file logging included, in every
+    SLURM task."""
+    if from_environment().is_main:
+        return
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,7 @@ def train_job(cfg: DictConfig) -> float:
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     run_dir = Path(hydra_cfg.runtime.output_dir)
     register_resolvers()  # a launcher's worker process starts without them
+    console_log_only_off_rank_0()
     pack = cfg.trainer.get("pack", 1)
     if isinstance(pack, int) and pack > 1:  # validate() names any other value than an integer >= 1
         if sweeping:
@@ -98,6 +114,7 @@ def train_job(cfg: DictConfig) -> float:
         return train_pack_job(pack_jobs(Job(cfg, hydra_cfg, run_dir), pack), sweeping)[0]
 
     def single() -> list[tuple[str, Any]]:
+        follow_launcher()  # a rank started by bnexp's launcher ends with it and shares its lock
         with RunLock(run_dir, enabled=from_environment().is_main):
             return [run_job(cfg, hydra_cfg, run_dir, sweeping)]
 
@@ -113,9 +130,9 @@ def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[
     try:
         outcomes = work()
     except Preempted as err:
-        for run_dir in run_dirs:  # a run of a pack may have diverged before the signal
-            diverged = stored_summary(run_dir).get("status") == "diverged"
-            record(run_dir, "diverged" if diverged else err.status, str(err))
+        for run_dir in run_dirs:  # a run may have diverged before the signal, or completed as it came
+            finished = stored_summary(run_dir).get("status")
+            record(run_dir, finished if finished in ("diverged", "completed") else err.status, str(err))
         report_error(f"{err}; re-run the same command to resume {where}")
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
@@ -134,8 +151,13 @@ def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[
     except Exception as err:  # recorded in summary.json with its traceback
         for run_dir in run_dirs:
             record(run_dir, "failed", f"{type(err).__name__}: {err}")
-        report_error(f"run failed with {type(err).__name__}: {err} (traceback in {run_dirs[0] / 'summary.json'})",
-                     traceback.format_exc())
+        if storage_error(err):  # its log and summary may not be writable either
+            report_error(f"cannot write to {where} ({type(err).__name__}: {err}): a full disk, a quota or a file-size "
+                         "limit (ulimit -f); what was written before is kept. Make room, then re-run the same command "
+                         "to resume", to_log=False)
+        else:
+            report_error(f"run failed with {type(err).__name__}: {err} (traceback in {run_dirs[0] / 'summary.json'})",
+                         traceback.format_exc())
         if not sweeping:
             sys.exit(EXIT_FAILED)
         return [math.nan] * len(run_dirs)
@@ -207,8 +229,25 @@ def train_pack_job(jobs: list[Job], sweeping: bool) -> list[Any]:
                     sys.exit(err.exit_code)
         if todo:
             dirs = [job.run_dir for job in todo]
-            values.update(zip(dirs, guarded(dirs, sweeping, lambda: pack_outcomes(todo))))
+            frozen = frozen_runs(jobs, todo)
+            members = [job for job in jobs if job in todo or job in frozen]
+            values.update(zip(dirs, guarded(dirs, sweeping, lambda: pack_outcomes(members, frozen))))
     return [values.get(job.run_dir, math.nan) for job in jobs]
+
+
+def frozen_runs(jobs: list[Job], todo: list[Job]) -> list[Job]:
+    """The runs of ``jobs`` that diverged in the pack that ``todo`` resumes (a pack with just
+    these runs and ``todo``'s): they go back into the pack, frozen, so that it keeps the
+    shapes, and so the rounding, of the pack that was interrupted. None when the pack that
+    diverged had other runs."""
+    resumed = {str(job.run_dir) for job in todo}
+    found = []
+    for job in jobs:
+        summary = {} if job in todo else stored_summary(job.run_dir)
+        if summary.get("status") == "diverged" and resumed <= set(summary.get("packed_with", [])):
+            found.append((job, {str(job.run_dir), *summary["packed_with"]}))
+    whole = resumed | {str(job.run_dir) for job, _ in found}
+    return [job for job, _ in found] if all(pack == whole for _, pack in found) else []
 
 
 def prepare_job(job: Job, write: bool) -> bool:
@@ -226,12 +265,13 @@ def prepare_job(job: Job, write: bool) -> bool:
     return False
 
 
-def pack_outcomes(jobs: list[Job]) -> list[tuple[str, Any]]:
-    """Train ``jobs`` as one pack; (status, final top-1) of each."""
+def pack_outcomes(jobs: list[Job], frozen: Sequence[Job] = ()) -> list[tuple[str, Any]]:
+    """Train ``jobs`` as one pack, those in ``frozen`` (diverged before) frozen in their slots;
+    (status, final top-1) of each of the others."""
     from bnexp.pack import train_pack
 
-    summaries = train_pack([job.cfg for job in jobs], [job.run_dir for job in jobs])
-    for job, summary in zip(jobs, summaries):
+    summaries = train_pack([job.cfg for job in jobs], [job.run_dir for job in jobs], [job in frozen for job in jobs])
+    for job, summary in zip([job for job in jobs if job not in frozen], summaries):
         log.info("%s: status %s, final top-1 %s", job.run_dir, summary["status"], summary.get("final_top1"))
     return [(summary["status"], result_value(summary["status"], summary)) for summary in summaries]
 
@@ -241,7 +281,8 @@ def run_job(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: Path, sweeping: boo
     from bnexp.sweep import spread_over_gpus
     from bnexp.trainer import train
 
-    if prepare_job(Job(cfg, hydra_cfg, run_dir), write=from_environment().is_main):
+    launched = HELD_ENV in os.environ  # a rank of bnexp's launcher, which has written .hydra/ already
+    if prepare_job(Job(cfg, hydra_cfg, run_dir), write=from_environment().is_main and not launched):
         return "skipped", result_value("skipped", stored_summary(run_dir))
     if sweeping:
         spread_over_gpus(hydra_cfg.job.num)
@@ -267,7 +308,7 @@ def save_hydra_files(run_dir: Path, hydra_cfg: DictConfig, cfg: DictConfig) -> N
 
 def _launch_processes(nproc: int, overrides: list[str], run_dir: Path, sweeping: bool) -> str:
     """Run this job as ``nproc`` torchrun processes; a failure ends a single run as a
-    one-process run ends. Returns the run's status."""
+    one-process run ends, with one line saying so. Returns the run's status."""
     from bnexp.launch import run_under_torchrun
     from bnexp.sweep import job_status, record
 
@@ -278,6 +319,8 @@ def _launch_processes(nproc: int, overrides: list[str], run_dir: Path, sweeping:
         record(run_dir, status, error)
         sys.exit(STOP_EXIT_CODES[status])
     if code != 0 and not sweeping:
+        report_error(f"the {nproc} processes of {run_dir} stopped with exit code {code} (the first error above says "
+                     "why); re-run the same command to resume from its last checkpoint")
         sys.exit(code)
     return status
 

@@ -78,6 +78,16 @@ def save(payload: dict[str, Any], path: Path) -> None:
         raise
 
 
+def remove_partial_files(run_dir: Path) -> None:
+    """Delete what writes cut short by a killed process left in a run directory and its
+    checkpoint folder: the temporary files of :func:`atomic_write` (``.<name>.tmp``). Only the
+    process that holds the directory's lock calls this."""
+    for folder in (run_dir, run_dir / CHECKPOINT_DIR):
+        for tmp in folder.glob(".*.tmp"):
+            log.info("removing %s, left by a write that did not finish", tmp)
+            tmp.unlink(missing_ok=True)
+
+
 def capture_rng() -> dict[str, Any]:
     """The state of every random generator a training step may draw from, in types that
     ``torch.load(weights_only=True)`` accepts (numpy's key array as a tensor)."""
@@ -214,11 +224,19 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     return load_given(file)["model"]
 
 
+def resume_candidates(run_dir: Path) -> list[Path]:
+    """The checkpoints a run may resume from, newest first: its final checkpoint (there when
+    the process was killed after writing it, before its summary said ``completed``), then its
+    periodic ones."""
+    final = run_dir / FINAL
+    return ([final] if final.is_file() else []) + periodic_checkpoints(run_dir)
+
+
 def newest_valid(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest periodic checkpoint that loads, warning about each damaged one skipped. One
-    that needs more than ``weights_only=True`` raises UnsafeCheckpoint instead of being
-    skipped: the run stops rather than train past (and prune) it."""
-    for path in periodic_checkpoints(run_dir):
+    """The newest of :func:`resume_candidates` that loads, warning about each damaged one
+    skipped. One that needs more than ``weights_only=True`` raises UnsafeCheckpoint instead of
+    being skipped: the run stops rather than train past (and prune) it."""
+    for path in resume_candidates(run_dir):
         try:
             return path, load(path)
         except ValueError as err:

@@ -16,7 +16,7 @@ def print_error(message: str) -> None:
 
 
 def print_warning(message: str) -> None:
-    """Print one warning paragraph to stderr (the command goes on)."""
+    """Print one warning line to stderr (the command goes on)."""
     print(f"bnexp: warning: {message}", file=sys.stderr, flush=True)
 
 

@@ -144,7 +144,7 @@ def meaningless(cfg: DictConfig, given: Iterable[str]) -> None:
         reason = None
         if norm.get("layer") is None:
             reason = f"norm={norm.name} has no normalization layers"
-        elif name in ("join", "classifier") and norm.get("placement") != "before_op":
+        elif name in ("join", "classifier", "input") and norm.get("placement") != "before_op":
             reason = "it applies to norm.placement=before_op only"
         elif name == "sync" and not NORM_LAYERS.get(norm.layer).batch_statistics:
             reason = f"norm={norm.name} uses no batch statistics to synchronize"
@@ -161,7 +161,7 @@ def validate(cfg: DictConfig) -> None:
     for key in ("optim.wd_w", "optim.wd_g"):
         _optional(cfg, key, lambda v: v >= 0, "a number >= 0")
     _optional(cfg, "model.width", lambda v: v >= 1, "an integer >= 1", integer=True)
-    for key in ("model.width_mult", "model.depth_mult"):
+    for key in ("model.width_mult", "model.depth_mult", "model.init_scale"):
         _optional(cfg, key, lambda v: v > 0, "a number > 0")
     for key in ("model.dropout", "model.stochastic_depth"):
         _optional(cfg, key, lambda v: 0 <= v < 1, "in [0, 1)")
@@ -171,10 +171,19 @@ def validate(cfg: DictConfig) -> None:
     _init_from(cfg)
     for key in ("optim.lr_w", "optim.lr_g"):
         _optional(cfg, key, lambda v: v > 0, "a number > 0, null meaning optim.lr")
-    _number(cfg, "optim.momentum", lambda v: 0 <= v < 1, "in [0, 1)")
+    _optional(cfg, "optim.momentum", lambda v: 0 <= v < 1, "in [0, 1)")
+    if cfg.optim.get("name") == "adam":
+        for key in ("optim.beta1", "optim.beta2"):
+            _number(cfg, key, lambda v: 0 <= v < 1, "in [0, 1)")
+        _number(cfg, "optim.eps", lambda v: v > 0, "a number > 0")
+        for key in ("momentum", "nesterov"):  # a preset's protocol may set them for SGD
+            if cfg.optim.get(key):
+                raise ConfigError(f"optim.{key}={cfg.optim[key]} means nothing with optim=adam (optim.beta1 is its "
+                                  f"momentum): set optim.{key}={'false' if key == 'nesterov' else 0}")
     _number(cfg, "optim.weight_decay", lambda v: v >= 0, "a number >= 0")
     _number(cfg, "trainer.batch_size", lambda v: v >= 1, "an integer >= 1", integer=True)
     _number(cfg, "trainer.nproc", lambda v: v >= 1, "an integer >= 1", integer=True)
+    _number(cfg, "trainer.dist_timeout", lambda v: v > 0, "a number of seconds > 0")
     _number(cfg, "trainer.pack", lambda v: v >= 1, "an integer >= 1", integer=True)
     per_process = split_batch(cfg.trainer.batch_size, Dist(world_size=cfg.trainer.nproc))
     together = cfg.trainer.batch_size if cfg.norm.get("sync") else per_process
@@ -182,7 +191,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"trainer.batch_size={cfg.trainer.batch_size} gives batch statistics over one image, and norm="
             f"{cfg.norm.name} normalizes with batch statistics: use trainer.batch_size >= 2 per process, or a norm "
-            "without batch statistics (none, gn, ln, bnp, bnp_gn)")
+            "without batch statistics (none, gn, ln, bnp, bnp_gn, or bn_4things with norm.groups set)")
     _number(cfg, "trainer.epochs", lambda v: v >= 0, "a number >= 0")
     _optional(cfg, "trainer.max_steps", lambda v: v >= 1, "an integer >= 1", integer=True)
     _number(cfg, "trainer.eval_every", lambda v: v > 0, "a number > 0")

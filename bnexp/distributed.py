@@ -10,22 +10,26 @@ What plain DDP does not cover, bnexp does here:
   broadcast is switched off);
 - BNP's input statistics are combined over the processes before its running update, and
   its gradient rewrite runs after DDP's gradient all-reduce (``after_backward``);
-- metrics are summed over the processes before they are logged, and only rank 0 writes.
+- metrics are summed over the processes before they are logged, and only rank 0 writes;
+- a process that waits longer than ``trainer.dist_timeout`` seconds for the others in a
+  collective (one of them stuck, stopped or dead) stops the run (:class:`PeersTimedOut`).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from datetime import timedelta
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 
-from bnexp.errors import ConfigError
+from bnexp.errors import BnexpError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -62,12 +66,37 @@ def from_environment() -> Dist:
     return Dist(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def init_process_group(d: Dist, device: torch.device) -> None:
-    """Join the job's process group: nccl on CUDA, gloo on CPU."""
+_timeout = [timedelta(minutes=30)]  # this process's trainer.dist_timeout, once init_process_group has run
+
+
+class PeersTimedOut(BnexpError):
+    """A collective waited longer than ``trainer.dist_timeout`` for another process."""
+
+
+def init_process_group(d: Dist, device: torch.device, timeout: float) -> None:
+    """Join the job's process group: nccl on CUDA, gloo on CPU. A collective that waits more
+    than ``timeout`` seconds for another process fails (under nccl, torch's watchdog then
+    ends the process)."""
     if d.enabled and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        _timeout[0] = timedelta(seconds=timeout)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=_timeout[0])
+
+
+@contextmanager
+def peers_timeout_named(timeout: float) -> Iterator[None]:
+    """Turn a collective that timed out (torch raises a RuntimeError saying "timed out")
+    into :class:`PeersTimedOut`: one line naming ``trainer.dist_timeout``."""
+    try:
+        yield
+    except RuntimeError as err:
+        if world_size() == 1 or "timed out" not in str(err).lower():
+            raise
+        raise PeersTimedOut(f"another process of this run did not answer for trainer.dist_timeout={timeout:g} s "
+                            "(stuck, stopped or dead): stopping the run; re-run the same command to resume from "
+                            "its last checkpoint, and raise trainer.dist_timeout if a process legitimately "
+                            "works alone that long") from err
 
 
 def split_batch(global_batch: int, d: Dist) -> int:
@@ -101,7 +130,7 @@ def _host_group() -> dist.ProcessGroup | None:
 
     Collective: every rank must make the first call at the same point (the first step).
     """
-    return dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
+    return dist.new_group(backend="gloo", timeout=_timeout[0]) if dist.get_backend() == "nccl" else None
 
 
 def max_over_ranks(value: int) -> int:

@@ -16,9 +16,9 @@ from typing import Any, Iterable, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 # Settings that do not change what a run computes: where it logs, how often it saves or
-# prints, which device it runs on, whether it trains packed with other seeds (the same
-# computation, rounded differently), whether data is downloaded and checked. A key covers
-# its whole subtree. (data.num_workers is not one: each DataLoader worker draws its own
+# prints, how long its processes wait for each other, which device it runs on, whether it
+# trains packed with other seeds (the same computation, rounded differently), whether data
+# is downloaded and checked. A key covers its whole subtree. (data.num_workers is not one: each DataLoader worker draws its own
 # augmentation.)
 NON_RESULT_KEYS = (
     "logger",
@@ -30,9 +30,18 @@ NON_RESULT_KEYS = (
     "trainer.checkpoint_every",
     "trainer.checkpoint_unit",
     "trainer.keep_checkpoints",
+    "trainer.dist_timeout",
     "data.download",
     "data.verify",
 )
+# Settings added after runs were recorded, each at the value that computes what runs did
+# before it existed. At that value a setting is left out of the fingerprint, so a run
+# recorded earlier is still found as "completed" (or resumed); any other value is in it.
+NEUTRAL_SINCE_ADDED: dict[str, Any] = {
+    "norm.input": True,            # before_op nets normalize their input (2026-11-24)
+    "model.init_scale": 1,         # the model's own initialization, unscaled (2026-11-24)
+    "schedule.warmup_unit": None,  # the warmup counted in schedule.unit (2026-11-24)
+}
 # Group choices left out of the names of a sweep's cells (:func:`cell_name`) only: a preset
 # names its own sweep folder, and what either sets is in the config (so in the fingerprint).
 PRESET_KEYS = ("experiment", "scale")
@@ -91,7 +100,8 @@ def result_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """The resolved config as dotted keys, without the settings that do not change the result."""
     tree = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     tree.pop("hydra", None)
-    return {k: _canonical(v) for k, v in flatten(tree).items() if not _covered(k, NON_RESULT_KEYS)}
+    flat = {k: _canonical(v) for k, v in flatten(tree).items() if not _covered(k, NON_RESULT_KEYS)}
+    return {k: v for k, v in flat.items() if k not in NEUTRAL_SINCE_ADDED or v != NEUTRAL_SINCE_ADDED[k]}
 
 
 def _canonical(value: Any) -> Any:
@@ -102,6 +112,17 @@ def _canonical(value: Any) -> Any:
 def fingerprint(cfg: DictConfig | Mapping[str, Any]) -> str:
     """A short hash of :func:`result_config`: equal for runs that compute the same thing."""
     return short_hash(json.dumps(result_config(cfg), sort_keys=True, default=str), FINGERPRINT_CHARS)
+
+
+def run_differences(there: Mapping[str, Any], here: Mapping[str, Any],
+                    data_there: Mapping[str, Any] | None = None) -> str:
+    """What makes a recorded run (its config ``there`` and the identity of its data files,
+    ``data_there``) another run than ``here``: the settings that differ (:func:`differences`),
+    then the data files whose content changed since; empty for the same run."""
+    from bnexp.data.files import changed_files
+
+    settings = [differences(there, here)] if fingerprint(there) != fingerprint(here) else []
+    return "; ".join(settings + changed_files(data_there))
 
 
 def differences(there: Mapping[str, Any], here: Mapping[str, Any], limit: int = 6) -> str:

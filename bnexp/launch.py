@@ -1,15 +1,25 @@
 """``trainer.nproc=K``: run one training job as K processes through torchrun.
 
 The Hydra job that receives ``trainer.nproc > 1`` outside torchrun owns the run directory
-(it holds the directory's lock and has written its config there); it starts
-``python -m torch.distributed.run --standalone --nproc_per_node=K -m bnexp train ...`` with
-the same overrides and that directory, and waits. Inside torchrun, every rank composes
-the same config under the launcher's lock; ranks other than 0 write nothing (see
-:func:`rank_overrides`).
+(it holds the directory's lock and has written its config there); it starts torchrun's
+agent (``python -m bnexp.launch --standalone --nproc_per_node=K -m bnexp train ...``: torchrun's
+own entry point behind :func:`agent_main`) with the same overrides and that directory, and
+waits. Inside torchrun, every rank composes the same config under the launcher's lock;
+ranks other than 0 write nothing (see :func:`rank_overrides`).
+
+No process of the run outlives the launcher: the agent and every rank ask the kernel to
+SIGKILL them when their parent ends (``prctl(PR_SET_PDEATHSIG)``, :func:`die_with_parent`),
+so killing the launcher (even with SIGKILL, which it cannot handle) kills the agent, and
+the agent's death kills the ranks. The kernel delivers that signal itself, whatever the
+dying process was doing, so it needs no watcher thread, no polling and no PID that could
+be reused; a process group would not do, since torchrun starts each rank in a session of
+its own. SIGKILL rather than SIGTERM: SIGTERM would make the ranks write a checkpoint
+after their launcher, the holder of the run's lock, is gone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -18,7 +28,11 @@ from pathlib import Path
 
 from bnexp.errors import ConfigError
 from bnexp.preemption import PreemptionGuard
-from bnexp.runlock import HELD_ENV, LOCK_NAME
+from bnexp.runlock import HELD_ENV, LOCK_NAME, join_held_lock
+
+RUN_DIR_ENV = "BNEXP_RUN_DIR"  # the run directory, handed to the ranks outside Hydra's override grammar
+PARENT_ENV = "BNEXP_PARENT_PID"  # the process a rank (or torchrun's agent) must not outlive
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def rank_overrides() -> list[str]:
@@ -29,12 +43,51 @@ def rank_overrides() -> list[str]:
     return ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
 
 
-def torchrun_command(nproc: int, overrides: list[str], run_dir: Path) -> list[str]:
-    """The torchrun command line that runs this job on ``nproc`` local processes."""
+def torchrun_command(nproc: int, overrides: list[str]) -> list[str]:
+    """The torchrun command line that runs this job on ``nproc`` local processes.
+
+    The run directory goes to the ranks through :data:`RUN_DIR_ENV`, read by OmegaConf's
+    ``oc.env`` resolver: a directory name holds ``=`` and ``,`` (and may hold quotes,
+    spaces or brackets), which Hydra's override grammar would parse.
+    """
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", "bnexp", "train", *overrides, f"hydra.run.dir={run_dir}",
+        sys.executable, "-m", "bnexp.launch", "--standalone", f"--nproc_per_node={nproc}",
+        "-m", "bnexp", "train", *overrides, f"hydra.run.dir=${{oc.env:{RUN_DIR_ENV}}}",
     ]
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when its parent (process ``parent``) ends; exit
+    at once if it has ended already (this process then has another parent). Linux only:
+    elsewhere nothing is set up."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the parent ended before the line above
+        os._exit(1)
+
+
+def follow_launcher() -> None:
+    """In a process started by bnexp's launcher (through torchrun): end with its parent, and
+    share the run's lock (:func:`bnexp.runlock.join_held_lock`) until it ends. Nothing
+    elsewhere."""
+    parent = os.environ.get(PARENT_ENV)
+    if parent is None:
+        return
+    die_with_parent(int(parent))
+    join_held_lock()
+
+
+def agent_main() -> None:
+    """torchrun's agent, started by :func:`run_under_torchrun`: it dies with the launcher and
+    tells the ranks it starts to die with it."""
+    follow_launcher()
+    os.environ[PARENT_ENV] = str(os.getpid())  # the ranks' parent
+    from torch.distributed.run import main
+
+    main(sys.argv[1:])
 
 
 def check_gpus(nproc: int, device: str) -> None:
@@ -56,9 +109,14 @@ def run_under_torchrun(nproc: int, overrides: list[str], run_dir: Path) -> int:
     hands to every rank: they checkpoint at the same step and stop. The handler installed
     before bnexp's (submitit's requeue) then runs here, once the checkpoint is on disk.
     """
-    env = {**os.environ, HELD_ENV: str((run_dir / LOCK_NAME).resolve())}  # the ranks run under this process's lock
-    child = subprocess.Popen(torchrun_command(nproc, overrides, run_dir), env=env)
+    env = {**os.environ, RUN_DIR_ENV: str(run_dir), PARENT_ENV: str(os.getpid()),
+           HELD_ENV: str((run_dir / LOCK_NAME).resolve())}  # the ranks run under this process's lock
+    child = subprocess.Popen(torchrun_command(nproc, overrides), env=env)
     with PreemptionGuard(on_signal=lambda _: child.send_signal(signal.SIGTERM)) as guard:
         code = child.wait()
         guard.forward()
     return code
+
+
+if __name__ == "__main__":
+    agent_main()

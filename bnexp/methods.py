@@ -2,7 +2,6 @@
 
 - AMAT layers get the current learning rate before every step (CBN Algorithm 1);
 - BNP rewrites the gradients of every conv/linear between backward and the optimizer step;
-- batch renormalization ramps its clipping limits over the whole run unless told otherwise;
 - ``weights.csv`` logs the norm and effective learning rate of each scale-invariant weight.
 """
 
@@ -15,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from bnexp.callbacks import Callback, TrainState
 from bnexp.distributed import bnp_reducer
-from bnexp.nn import BNP, BatchRenorm, NormFamily
+from bnexp.nn import BNP, NormFamily
 from bnexp.runinfo import MetricsWriter
 from bnexp.scale_invariance import scale_invariant_weights, weight_norms
 
@@ -59,15 +58,6 @@ class BnpPreconditioner(Callback):
         self.bnp.load_state_dict(state)
 
 
-class RenormRamp(Callback):
-    """``norm.ramp_steps: null``: ramp r_max / d_max over the run's total number of steps."""
-
-    def on_train_start(self, state: TrainState) -> None:
-        for m in state.model.modules():
-            if isinstance(m, BatchRenorm):
-                m.ramp_steps = max(1, state.total_steps)
-
-
 class WeightNormLog(Callback):
     """At every evaluation: ``||w||`` and ``lr_w / ||w||^2`` of each scale-invariant weight, and
     the min / median / max over its filters of ``lr_w / ||w_k||^2``. In a packed model, one
@@ -100,7 +90,6 @@ def method_callbacks(cfg: DictConfig) -> list[Callback]:
     hooks: list[Optional[Callback]] = [
         AmatLearningRate() if cfg.norm.get("amat") else None,
         BnpPreconditioner(OmegaConf.to_container(settings)) if settings is not None else None,
-        RenormRamp() if cfg.norm.layer == "batch_renorm" and cfg.norm.get("ramp_steps") is None else None,
         WeightNormLog(),
     ]
     return [hook for hook in hooks if hook is not None]

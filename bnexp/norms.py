@@ -2,7 +2,7 @@
 
 A ``norm`` preset (``configs/norm/*.yaml``) names a ``layer`` (a key of :data:`NORM_LAYERS`,
 or null for no normalization), that layer's keyword arguments, and how a model places it
-(``placement``, ``join``, ``classifier``, ``op_bias``). :func:`create_norm` builds one module
+(``placement``, ``join``, ``classifier``, ``input``, ``op_bias``). :func:`create_norm` builds one module
 from a name, a class or any callable, as timm's ``create_norm_layer`` does: ``norm=cbn``
 builds :class:`bnexp.nn.CBN2d`, the class users import. :func:`build_norm_spec` turns a
 preset into the :class:`NormSpec` the model builder (:mod:`bnexp.models.layers`) asks for
@@ -23,6 +23,8 @@ from bnexp.nn import (
     BatchRenorm2d,
     CBN1d,
     CBN2d,
+    FourThingsBN1d,
+    FourThingsBN2d,
     NormFamily1d,
     NormFamily2d,
     POPNorm1d,
@@ -95,6 +97,18 @@ class ChannelsError(ValueError):
     """A normalization's options do not fit a layer's channel count (GN groups)."""
 
 
+def four_things(family: type[nn.Module]) -> Builder:
+    """BN with 4 things whose ``groups`` (when set) must divide the channels, as for :func:`group_norm`."""
+
+    def make(num_features: int, **options: Any) -> nn.Module:
+        groups = options.get("groups")
+        if isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1 and num_features % groups:
+            raise ChannelsError(f"groups={groups} does not divide the {num_features} channels of a normalized layer")
+        return family(num_features, **options)
+
+    return make
+
+
 def layer_norm_images(num_features: int, eps: float = 1e-5) -> nn.Module:
     """LayerNorm over all of C x H x W per sample: GroupNorm with one group."""
     return nn.GroupNorm(1, num_features, eps=eps)
@@ -105,7 +119,10 @@ register_norm("batchnorm", batch_norm(NormFamily1d, nn.BatchNorm1d), batch_norm(
 register_norm("norm_family", NormFamily1d, NormFamily2d, FAMILY_KEYS)  # bnexp's implementation always
 register_norm("cbn", CBN1d, CBN2d, FAMILY_KEYS)
 register_norm("popnorm", POPNorm1d, POPNorm2d, FAMILY_KEYS)
-register_norm("batch_renorm", BatchRenorm1d, BatchRenorm2d, ("r_max", "d_max", "momentum", "eps", "ramp_steps", "sync"))
+register_norm("batch_renorm", BatchRenorm1d, BatchRenorm2d, ("r_max", "d_max", "momentum", "eps",
+              "relax_start", "r_max_step", "d_max_step", "sync"))
+register_norm("four_things", four_things(FourThingsBN1d), four_things(FourThingsBN2d),
+              ("ghost_batch", "groups", "alpha", "affine_decay", "momentum", "eps"))
 register_norm("bn_si", ScaleInvariantBN1d, ScaleInvariantBN2d, ("eps", "momentum", "sync"))  # bound to its op later
 register_norm("groupnorm", group_norm, group_norm, ("groups", "eps"), batch_statistics=False)
 register_norm("layernorm", nn.LayerNorm, layer_norm_images, ("eps",), batch_statistics=False)
@@ -129,10 +146,12 @@ def layer_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def uses_batch_statistics(cfg: Mapping[str, Any]) -> bool:
-    """Whether a ``norm`` preset normalizes with statistics over the batch: BN and its family
-    when they center or scale, bn_si, batch renormalization; not GN, LN, BNP or none."""
+    """Whether a ``norm`` preset normalizes with statistics over the batch that one example
+    cannot give: BN and its family when they center or scale, bn_si, batch renormalization,
+    BN with 4 things without channel groups; not GN, LN, BNP or none, nor BN with 4 things
+    whose statistics pool ``norm.groups`` groups of channels (batch-group normalization)."""
     layer = cfg.get("layer")
-    if layer is None or not NORM_LAYERS.get(layer).batch_statistics:
+    if layer is None or not NORM_LAYERS.get(layer).batch_statistics or cfg.get("groups") is not None:
         return False
     return bool(cfg.get("center", True) or cfg.get("scale", True))
 
@@ -148,6 +167,7 @@ class NormSpec:
     options: Mapping[str, Any] = field(default_factory=dict)  # the layer's keyword arguments
     join: str = AFTER_ACT  # before_op residual joins (norm.join)
     classifier: bool = True  # before_op: a normalization in front of the final Linear (norm.classifier)
+    input: bool = True  # before_op: a normalization of the network's input, in front of the stem (norm.input)
     batch_statistics: bool = False  # the training forward normalizes with statistics over the batch
 
     @property
@@ -188,9 +208,10 @@ def build_norm_spec(cfg: Mapping[str, Any]) -> NormSpec:
     join = cfg.get("join", AFTER_ACT)
     if join not in JOINS:
         raise unknown_choice("norm.join", join, JOINS)
-    classifier = cfg.get("classifier", True)
-    if not isinstance(classifier, bool):
-        raise ConfigError(f"norm.classifier must be true or false, got {classifier!r}")
+    classifier, normalize_input = cfg.get("classifier", True), cfg.get("input", True)
+    for key, value in (("classifier", classifier), ("input", normalize_input)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"norm.{key} must be true or false, got {value!r}")
     layer = cfg.get("layer")
     options = layer_options(cfg) if layer is not None else {}
     if layer is not None:
@@ -206,4 +227,5 @@ def build_norm_spec(cfg: Mapping[str, Any]) -> NormSpec:
     if not isinstance(op_bias, bool):
         raise ConfigError(f"norm.op_bias must be true, false or null, got {op_bias!r}")
     return NormSpec(name=cfg.get("name", str(layer)), placement=placement, op_bias=op_bias, layer=layer,
-                    options=options, join=join, classifier=classifier, batch_statistics=uses_batch_statistics(cfg))
+                    options=options, join=join, classifier=classifier, input=normalize_input,
+                    batch_statistics=uses_batch_statistics(cfg))

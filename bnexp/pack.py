@@ -14,7 +14,10 @@ table`` and a plain ``bnexp train`` of one of the runs see no difference. A pack
 from its runs' periodic checkpoints at the newest step all of them hold. A run whose
 training loss turns non-finite is marked ``diverged`` where a run alone would be (at the
 next finite-loss check) and frozen: its loss leaves the sum, and its parameters and
-momentum are zeroed and kept at zero while the others go on.
+momentum are zeroed and kept at zero while the others go on. A pack resumed after one of
+its runs diverged keeps that run, frozen, in its slot (it writes nothing more): the packed
+model keeps its shapes, so the others' float rounding, and so their results, are those of
+the pack never interrupted.
 """
 
 from __future__ import annotations
@@ -37,18 +40,18 @@ from tqdm import tqdm
 from bnexp import checkpoint
 from bnexp.callbacks import Callback, TrainState
 from bnexp.config import validate
-from bnexp.data import build_data
+from bnexp.data import build_data, data_identity
 from bnexp.data.loaders import build_loaders, drop_last
 from bnexp.distributed import Dist
 from bnexp.errors import ConfigError, OtherRunThere
-from bnexp.identity import differences, fingerprint
+from bnexp.identity import differences, fingerprint, run_differences
 from bnexp.methods import WeightNormLog, method_callbacks
 from bnexp.models import build_model, count_parameters
 from bnexp.models.packing import pack_inputs, pack_models, pack_state, packed_losses, unpack_state
 from bnexp.norms import uses_batch_statistics
 from bnexp.optim import build_optimizer, build_schedule, to_steps
 from bnexp.preemption import Preempted, PreemptionGuard
-from bnexp.runinfo import MetricsWriter, configure_backends, resolve_device, seed_everything, version_stamp, write_json
+from bnexp.runinfo import MetricsWriter, RunLogFile, configure_backends, resolve_device, seed_everything, version_stamp, write_json
 from bnexp.speed import Accelerated
 from bnexp.trainer import (
     CheckpointClock,
@@ -61,6 +64,7 @@ from bnexp.trainer import (
     eval_row,
     evaluate,
     record_eval,
+    stop_if_signalled,
     total_steps,
     train_step,
 )
@@ -83,9 +87,12 @@ class Member:
     rng: dict[str, Any] = field(default_factory=dict)  # its global random state between its batches
     stream: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
     status: str = "running"
+    frozen: bool = False  # diverged before this process: holds its slot in the pack, writes nothing
 
     def __post_init__(self) -> None:
-        self.metrics = MetricsWriter(self.run_dir / "metrics.csv")
+        self.metrics = MetricsWriter(self.run_dir / "metrics.csv", enabled=not self.frozen)
+        if self.frozen:
+            self.status = "diverged"
 
     def next_batch(self, swap_rng: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """This run's next training batch, drawn under its own random state when the loader
@@ -188,7 +195,7 @@ class Pack:
         self.test, self.num_classes = test, num_classes  # the test batches every run is evaluated on
         self.state = state
         self.net = net
-        self.shared = shared  # the methods' hooks (AMAT lr, BNP, renorm ramp), one for all runs
+        self.shared = shared  # the methods' hooks (AMAT lr, BNP), one for all runs
         self.freezer = freezer
         self.callbacks = [*shared, *(m.weights_log for m in members), freezer]
         self.meter = TrainMeter(state.device, len(members))
@@ -227,7 +234,7 @@ class Pack:
                 "step": s.step, "scaler": self.net.scaler.state_dict(), "rng": [m.rng],
                 "meter": meter[m.index: m.index + 1].clone(), "metrics": m.metrics.rows,
                 "callbacks": dict(zip(names, callbacks)), "seconds": self.seconds(),
-                "config": OmegaConf.to_container(m.cfg, resolve=True),
+                "config": OmegaConf.to_container(m.cfg, resolve=True), "data_files": m.summary.get("data_files", {}),
             })
         return out
 
@@ -242,6 +249,8 @@ class Pack:
             cb.load_state_dict(pack_state([p["callbacks"].get(callback_key(i, cb), {}) for p in payloads]))
         for m, p in zip(self.members, payloads):
             m.rng = p["rng"][0]
+            if m.frozen:
+                continue
             m.metrics.restore(p["metrics"])
             for row in p["metrics"]:
                 record_eval(m.summary, row)
@@ -251,12 +260,14 @@ class Pack:
 
     def resume(self, mode: str) -> None:
         """``auto``: the newest periodic checkpoint step that every run holds, if any, written
-        with these settings; ``never``: start over."""
+        with these settings; ``never``: start over. Frozen runs (:attr:`Member.frozen`) take
+        no part: their slots are filled with another run's state, then zeroed."""
         if mode == "never":
             return
-        found = common_checkpoints([m.run_dir for m in self.members])
+        live = [m for m in self.members if not m.frozen]
+        found = common_checkpoints([m.run_dir for m in live])
         start = 0 if found is None else checkpoint_step(found[0][0])
-        for m in self.members:  # checkpoints past the pack's starting step would outlive the ones it writes
+        for m in live:  # checkpoints past the pack's starting step would outlive the ones it writes
             for path in checkpoint.periodic_checkpoints(m.run_dir):
                 if checkpoint_step(path) > start:
                     log.warning("%s: not resumed from (the pack's other runs hold no checkpoint of step %d); "
@@ -265,14 +276,14 @@ class Pack:
                     checkpoint.checksum_path(path).unlink(missing_ok=True)
         if found is None:
             return
-        for m, (path, payload) in zip(self.members, found):
-            written_with = payload.get("config", {})
-            if fingerprint(written_with) != fingerprint(m.cfg):
-                raise OtherRunThere(f"{path} was written by a run with other settings "
-                                    f"({differences(written_with, m.cfg)}): run with trainer.resume=never to start "
-                                    "over in this directory, or use another one")
+        for m, (path, payload) in zip(live, found):
+            change = run_differences(payload.get("config", {}), m.cfg, payload.get("data_files"))
+            if change:
+                raise OtherRunThere(f"{path} was written by a run with other settings ({change}): run with "
+                                    "trainer.resume=never to start over in this directory, or use another one")
             m.summary["resumed_from"] = str(path)
-        self.restore([payload for _, payload in found])
+        payloads = iter(payload for _, payload in found)
+        self.restore([found[0][1] if m.frozen else next(payloads) for m in self.members])
         log.info("pack of %d resumed at step %d", self.runs, self.state.step)
 
     def save_periodic(self) -> None:
@@ -311,9 +322,13 @@ class Pack:
                 write_json(m.run_dir / "summary.json", m.summary)  # final now (rewritten with the wall time at the end)
                 log.warning("%s: non-finite training loss at step %d: run frozen (status diverged), the other "
                             "runs of its pack go on", m.run_dir, self.state.step)
-                self.freezer.freeze(self.state, m.index)
-                self.alive[m.index] = False
+                self.freeze(m)
         return losses
+
+    def freeze(self, member: Member) -> None:
+        """Take a diverged run out of training: zeroed, its loss out of the sum."""
+        self.freezer.freeze(self.state, member.index)
+        self.alive[member.index] = False
 
 
 def save(member: Member, payload: dict[str, Any], path: Path) -> bool:
@@ -353,6 +368,7 @@ def fit_pack(members: list[Member]) -> None:
     backends = configure_backends(cfg.trainer.tf32, cfg.trainer.deterministic)
     device = resolve_device(cfg.trainer.device)
     bundle = build_data(cfg.data)
+    data_files = data_identity(cfg.data)
     batch_size, one_process = int(cfg.trainer.batch_size), Dist()
     check_batch_size(cfg, bundle, batch_size, one_process)
     last = drop_last(cfg.data, uses_batch_statistics(cfg.norm))
@@ -375,12 +391,15 @@ def fit_pack(members: list[Member]) -> None:
             m.summary["skipped_images"] = len(bundle.skipped_images)
         m.summary.update(backends=backends, params=count_parameters(models[0]), device=str(device),
                          steps_per_epoch=steps_per_epoch, loader=loaders[0].kind, world_size=1,
-                         num_classes=bundle.spec.num_classes,
+                         num_classes=bundle.spec.num_classes, data_files=data_files,
                          packed_with=[str(o.run_dir) for o in members if o is not m])
     pack = Pack(members, state, net, shared, FreezeDiverged(len(members)), loaders[0].test, bundle.spec.num_classes)
     for cb in pack.callbacks:
         cb.on_train_start(state)
     pack.resume(str(cfg.trainer.resume))
+    for m in members:
+        if m.frozen:
+            pack.freeze(m)
     train_pack_steps(pack, loaders)
 
 
@@ -414,8 +433,9 @@ def train_pack_steps(pack: Pack, loaders: list[Any]) -> None:
                 pack.evaluate(lr)
             running = [m.summary for m in pack.members if m.status == "running"]
             checkpoint_or_stop(guard, clock, state, last, pack.save_periodic, running)
-    bar.close()
-    finish(pack, lr)
+        bar.close()
+        finish(pack, lr)  # a signal while the final checkpoints are written waits for them
+        stop_if_signalled(guard)
 
 
 def finish(pack: Pack, lr: float) -> None:
@@ -442,8 +462,8 @@ def member_logs(members: Sequence[Member]) -> Iterator[None]:
     root = logging.getLogger()
     like = next((h for h in root.handlers if isinstance(h, logging.FileHandler)), None)
     handlers: list[logging.Handler] = []
-    for m in members[1:] if like is not None else []:
-        handler = logging.FileHandler(m.run_dir / "train.log", delay=True)
+    for m in [m for m in members[1:] if not m.frozen] if like is not None else []:
+        handler = RunLogFile(m.run_dir / "train.log", delay=True)
         handler.setFormatter(like.formatter)
         handler.setLevel(like.level)
         root.addHandler(handler)
@@ -456,16 +476,23 @@ def member_logs(members: Sequence[Member]) -> Iterator[None]:
             handler.close()
 
 
-def train_pack(cfgs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> list[dict[str, Any]]:
-    """Train ``cfgs`` (one per run, in ``run_dirs``) as one pack; returns their summaries.
-    Exceptions are recorded in every run's summary, then re-raised."""
+def train_pack(cfgs: Sequence[DictConfig], run_dirs: Sequence[Path],
+               frozen: Sequence[bool] = ()) -> list[dict[str, Any]]:
+    """Train ``cfgs`` (one per run, in ``run_dirs``) as one pack; returns the summaries of the
+    runs not ``frozen`` (runs that diverged in an earlier process of this pack: they hold
+    their slots and write nothing). Exceptions are recorded in every run's summary, then
+    re-raised."""
     members = []
     for i, (cfg, run_dir) in enumerate(zip(cfgs, run_dirs)):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-        summary = {"status": "failed", **version_stamp(), "fingerprint": fingerprint(cfg),
-                   "config": OmegaConf.to_container(cfg, resolve=True)}
-        members.append(Member(i, cfg, run_dir, summary))
+        member = Member(i, cfg, run_dir, {}, frozen=i < len(frozen) and frozen[i])
+        if not member.frozen:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            checkpoint.remove_partial_files(run_dir)
+            OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+            member.summary.update({"status": "failed", **version_stamp(), "fingerprint": fingerprint(cfg),
+                                   "config": OmegaConf.to_container(cfg, resolve=True)})
+        members.append(member)
+    written = [m for m in members if not m.frozen]
     started = time.perf_counter()
     try:
         for cfg in cfgs:
@@ -475,18 +502,18 @@ def train_pack(cfgs: Sequence[DictConfig], run_dirs: Sequence[Path]) -> list[dic
     except Preempted:
         raise
     except KeyboardInterrupt:
-        for m in members:
+        for m in written:
             if m.summary["status"] != "diverged":
                 m.summary.update(status="interrupted", error="KeyboardInterrupt: stopped by Ctrl-C")
         raise
     except BaseException as err:
-        for m in members:
+        for m in written:
             if m.summary["status"] != "diverged":
                 m.summary.update(status="failed", error=f"{type(err).__name__}: {err}",
                                  traceback=traceback.format_exc())
         raise
     finally:
-        for m in members:
+        for m in written:
             m.summary["wall_seconds"] = round(time.perf_counter() - started, 3)
             write_json(m.run_dir / "summary.json", m.summary)
-    return [m.summary for m in members]
+    return [m.summary for m in written]

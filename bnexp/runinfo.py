@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import csv
+import errno
 import functools
 import json
+import logging
 import os
 import random
 import subprocess
+import sys
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping
 
@@ -69,9 +72,12 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
 
 
 def _git(root: Path, *args: str) -> str | None:
-    """``git args`` run in ``root``; its output, or None when it fails (no git, no repository)."""
+    """``git args`` run in ``root``; its output, or None when it fails (no git, no repository).
+    Without git's optional locks: ``git status`` then never writes the index, so a failing
+    write (a full disk, ``ulimit -f``) cannot leave an ``index.lock`` in the repository."""
     try:
-        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=5,
+                             env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -151,6 +157,37 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+# What a write that cannot succeed until someone makes room raises: a full disk, a quota, a
+# file-size limit (``ulimit -f``), a failing device.
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
+def storage_error(err: BaseException) -> bool:
+    """Whether ``err`` is a write refused by the storage (:data:`STORAGE_ERRNOS`)."""
+    return isinstance(err, OSError) and err.errno in STORAGE_ERRNOS
+
+
+class RunLogFile(logging.FileHandler):
+    """A run's ``train.log``: when a write to it fails (a full disk, ``ulimit -f``), one line on
+    stderr says so and the file is left as it is, with everything logged before; the log
+    goes on on the console. (``logging`` would print a traceback for every message.)"""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            super().handleError(record)
+            return
+        self.failed = True
+        print(f"bnexp: warning: cannot write to {self.baseFilename} ({type(err).__name__}: {err}); what it holds is "
+              "kept, and the log goes on on the console only", file=sys.stderr, flush=True)
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:

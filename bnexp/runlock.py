@@ -5,14 +5,22 @@ before anything is written to the directory, and removed when the run ends howev
 ends. A lock left by a process that no longer exists on this host (SIGKILL, a crash) is
 stale: it is taken over with a warning. A lock held from another host cannot be checked
 from here; the error says which host and how to clear it.
+
+Every process of a run also holds a shared ``flock`` on the lock file while it lives: the
+owner, the processes it forks (DataLoader workers) and, for ``trainer.nproc>1``, torchrun's
+agent and every rank (:func:`join_held_lock`). The kernel drops a process's hold when it
+exits, however it exits, so a lock whose owner is gone is only stale once no process holds
+it: a re-run waits up to :data:`STALE_WAIT` seconds for them, then stops with exit 4.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Optional
@@ -23,6 +31,8 @@ log = logging.getLogger("bnexp.lock")
 
 LOCK_NAME = ".lock"
 HELD_ENV = "BNEXP_HELD_LOCK"  # set for the torchrun ranks of a run whose lock their launcher holds
+STALE_WAIT = 30.0  # seconds to wait for the processes of a dead owner's run to exit
+_joined: list[int] = []  # the descriptor a process joining its launcher's lock keeps open until it exits
 
 
 class RunLocked(BnexpError):
@@ -42,6 +52,58 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _share(fd: int) -> None:
+    """A shared flock on ``fd``, held until it is closed (nothing where the file system has no
+    locks: the PID check then stands alone)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError as err:
+        log.debug("no flock on the run lock (%s): only its owner's PID is checked", err)
+
+
+def _unheld(path: Path, wait: float) -> bool:
+    """Whether no process holds ``path``'s flock, waiting up to ``wait`` seconds for them to go."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return True  # cleared by another process meanwhile: the caller's rename finds out
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.1)
+            except OSError:  # no locks on this file system
+                return True
+    finally:
+        os.close(fd)
+
+
+def join_held_lock() -> None:
+    """In a process of a run whose launcher holds the lock (:data:`HELD_ENV`): hold the lock's
+    flock too, until this process exits, so that the lock stays taken while it lives. Raise
+    :class:`RunLocked` when the file is no longer the launcher's (the launcher ended and
+    another run took the directory over)."""
+    held = os.environ.get(HELD_ENV)
+    if held is None or _joined:
+        return
+    try:
+        fd = os.open(held, os.O_RDONLY)
+    except FileNotFoundError:
+        fd = -1
+    if fd >= 0:
+        _share(fd)
+        if os.path.exists(held) and os.path.samestat(os.fstat(fd), os.stat(held)):
+            _joined.append(fd)
+            return
+        os.close(fd)
+    raise RunLocked(f"{held}: the lock of the run this process belongs to is gone (its launcher ended)")
+
+
 def read_owner(path: Path) -> dict[str, Any]:
     """The owner a lock file names (empty when unreadable: half-written by a crashed writer)."""
     try:
@@ -58,6 +120,7 @@ class RunLock:
         self.path = run_dir / LOCK_NAME
         self.enabled = enabled  # False for torchrun ranks above 0: rank 0 holds the run's lock
         self.held = False
+        self.fd = -1  # the lock file, open while held (its shared flock: see the module's doc)
 
     def inherited(self) -> bool:
         """Whether the process that started this one (bnexp's torchrun launcher) holds the lock."""
@@ -75,9 +138,9 @@ class RunLock:
             except FileExistsError:
                 self._clear_stale(me["host"])
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
+            os.write(fd, json.dumps(me).encode())
+            _share(fd)
+            self.fd, self.held = fd, True
             return
         raise RunLocked(f"{self.path.parent} is locked by a process that started while this one cleared a stale lock")
 
@@ -85,7 +148,12 @@ class RunLock:
         """Remove a lock whose owner is gone; raise :class:`RunLocked` when it is alive or unknown."""
         owner = read_owner(self.path)
         pid, their_host = owner.get("pid"), owner.get("host")
-        if their_host == host and isinstance(pid, int) and not _alive(pid):
+        gone = their_host == host and isinstance(pid, int) and not _alive(pid)
+        if gone and not _unheld(self.path, STALE_WAIT):
+            raise RunLocked(f"{self.path.parent} is still being written by processes of the run of process {pid}, "
+                            f"which ended: they hold {self.path} after {STALE_WAIT:.0f} s; run again once they "
+                            "have exited")
+        if gone:
             # Renamed, not deleted: of several processes clearing it at once, one renames it,
             # and none can delete the fresh lock another has just taken in its place.
             moved = self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}")
@@ -107,7 +175,8 @@ class RunLock:
     def release(self) -> None:
         if self.held:
             self.path.unlink(missing_ok=True)
-            self.held = False
+            os.close(self.fd)
+            self.fd, self.held = -1, False
 
     def __enter__(self) -> "RunLock":
         self.acquire()

@@ -28,10 +28,10 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from bnexp.checkpoint import FINAL, periodic_checkpoints, read_config, verified_bytes
+from bnexp.checkpoint import FINAL, read_config, resume_candidates, verified_bytes
 from bnexp.config import lr_not_applicable
 from bnexp.errors import EXIT_FAILED, ConfigError, OtherRunThere
-from bnexp.identity import cell_name, differences, fingerprint, override_key
+from bnexp.identity import cell_name, differences, fingerprint, override_key, run_differences
 from bnexp.runinfo import read_run_json
 from bnexp.runlock import HELD_ENV
 
@@ -145,12 +145,12 @@ def skip_reason(cfg: DictConfig, run_dir: Path) -> Optional[str]:
         return None
     status = summary.get("status")
     finished = status in FINISHED
-    if not finished and (str(cfg.trainer.resume) != "auto" or not periodic_checkpoints(run_dir)):
+    if not finished and (str(cfg.trainer.resume) != "auto" or not resume_candidates(run_dir)):
         return None  # nothing to skip or to resume from
-    there = summary.get("config") or {}
-    if fingerprint(there) != fingerprint(cfg):
+    change = run_differences(summary.get("config") or {}, cfg, summary.get("data_files"))
+    if change:
         what = f"a run {status}" if finished else f"an unfinished run ({status}) to resume"
-        raise OtherRunThere(f"{run_dir} holds {what} with other settings ({differences(there, cfg)}); "
+        raise OtherRunThere(f"{run_dir} holds {what} with other settings ({change}); "
                             "nothing was changed there. Run with trainer.resume=never to replace it, or choose "
                             "another directory (hydra.run.dir=... / hydra.sweep.dir=...)")
     if not finished:

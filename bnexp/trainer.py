@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import sys
 import time
 import traceback
@@ -27,11 +28,11 @@ from tqdm import tqdm
 from bnexp import checkpoint, distributed
 from bnexp.callbacks import Callback, TrainState, ended_on_stop
 from bnexp.config import RESUME_MODES, validate
-from bnexp.data import DataBundle, build_data
+from bnexp.data import DataBundle, build_data, data_identity
 from bnexp.data.loaders import Loaders, build_loaders, drop_last
 from bnexp.distributed import Dist, gather_objects, max_over_ranks, sum_over_ranks
 from bnexp.errors import ConfigError, OtherRunThere
-from bnexp.identity import differences, fingerprint
+from bnexp.identity import fingerprint, run_differences
 from bnexp.loggers import logger_callback
 from bnexp.methods import method_callbacks
 from bnexp.models import build_model, count_parameters
@@ -112,8 +113,11 @@ class TrainMeter:
         self.sums[:, 2].fill_(self.count)
         return self.sums
 
-    def load(self, sums: torch.Tensor) -> None:
-        self.sums.copy_(sums)  # a single run's checkpoint before packing existed holds 3 values
+    def load(self, sums: torch.Tensor, rank: int = 0) -> None:
+        """Sums as :meth:`state` gave them (3 values in a single run's checkpoint from before
+        packing existed), or one block of them per process (``(processes, runs, 3)``,
+        :meth:`Run.payload`), of which process ``rank`` takes its own."""
+        self.sums.copy_(sums[rank] if sums.dim() == 3 else sums)
         self.count = int(self.sums[0, 2])
 
     def read_runs(self) -> list[tuple[float, float]]:
@@ -183,11 +187,12 @@ class Run:
             "step": s.step,
             "scaler": self.net.scaler.state_dict(),
             "rng": gather_objects(checkpoint.capture_rng()),  # one entry per process
-            "meter": self.meter.state().cpu(),
+            "meter": torch.stack(gather_objects(self.meter.state().cpu())),  # each process's own sums
             "metrics": self.metrics.rows,
             "callbacks": {callback_key(i, cb): cb.state_dict() for i, cb in enumerate(self.callbacks)},
             "seconds": self.seconds(),
             "config": OmegaConf.to_container(s.cfg, resolve=True),
+            "data_files": self.summary.get("data_files", {}),
         }
 
     def restore(self, payload: dict[str, Any]) -> None:
@@ -199,7 +204,7 @@ class Run:
         if payload.get("scaler"):  # empty unless trainer.amp=fp16
             self.net.scaler.load_state_dict(payload["scaler"])
         checkpoint.restore_rng(payload["rng"][s.dist.rank])
-        self.meter.load(payload["meter"])
+        self.meter.load(payload["meter"], s.dist.rank)
         self.metrics.restore(payload["metrics"])
         for row in payload["metrics"]:
             record_eval(self.summary, row)
@@ -222,12 +227,11 @@ class Run:
                 raise ConfigError(f"trainer.resume={mode}: {err}") from err
         else:
             found = checkpoint.newest_valid(run_dir)
-            if found is None and checkpoint.periodic_checkpoints(run_dir):
-                log.warning("no valid checkpoint in %s: starting over", run_dir / checkpoint.CHECKPOINT_DIR)
+            if found is None and checkpoint.resume_candidates(run_dir):
+                log.warning("no valid checkpoint in %s: starting over", run_dir)
         if found is not None:
-            written_with = found[1].get("config", {})
-            if fingerprint(written_with) != fingerprint(cfg):
-                change = differences(written_with, cfg)
+            change = run_differences(found[1].get("config", {}), cfg, found[1].get("data_files"))
+            if change:
                 if mode == "auto":
                     raise OtherRunThere(f"{found[0]} was written by a run with other settings ({change}): run with "
                                       "trainer.resume=never to start over in this directory, or use another one")
@@ -275,7 +279,7 @@ def build_callbacks(cfg: DictConfig) -> list[Callback]:
 
     1. the probes (``probes=[...]``): in ``after_backward`` they must read the gradients the
        step computed, before anything rewrites them;
-    2. the methods' hooks: AMAT's learning rate, BNP's gradient rewrite, batch renorm's ramp,
+    2. the methods' hooks: AMAT's learning rate, BNP's gradient rewrite,
        the scale-invariant weights' log;
     3. the logger (``logger=...``), which mirrors what the others produced.
     """
@@ -326,14 +330,28 @@ def checkpoint_or_stop(guard: PreemptionGuard, clock: CheckpointClock, state: Tr
     status and raise :class:`Preempted`; otherwise a periodic checkpoint when ``clock`` says so."""
     if guard.agreed():
         save()
-        stop = Preempted(guard.signum)
         for summary in summaries:
-            summary.update(status=stop.status, steps=state.step, epochs=round(state.epoch, 4))
-        guard.forward()
-        raise stop
+            summary.update(status=Preempted(guard.signum).status, steps=state.step, epochs=round(state.epoch, 4))
+        stop(guard)
     if not last and clock.due(state.step):
         save()
         clock.saved()
+
+
+def stop(guard: PreemptionGuard) -> None:
+    """Hand the received signal to the handler installed before ours, then raise :class:`Preempted`."""
+    guard.forward()
+    raise Preempted(guard.signum)
+
+
+def stop_if_signalled(guard: PreemptionGuard) -> None:
+    """After a run's final checkpoint: a signal that came while it was written (or after the
+    last step's check) leaves the run completed, then stops the process as any signal does,
+    so that a sweep stops there too."""
+    if guard.agreed():
+        log.warning("%s came while the run finished: the run is complete and stops here",
+                    signal.Signals(guard.signum).name)
+        stop(guard)
 
 
 class CheckpointClock:
@@ -397,9 +415,10 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
     summary["backends"] = configure_backends(cfg.trainer.tf32, cfg.trainer.deterministic)
     d = distributed.from_environment()
     device = resolve_device(cfg.trainer.device, d.local_rank if d.enabled else None)
-    distributed.init_process_group(d, device)
+    distributed.init_process_group(d, device, float(cfg.trainer.dist_timeout))
     batch_size = distributed.split_batch(cfg.trainer.batch_size, d)
     bundle = build_data(cfg.data)
+    summary["data_files"] = data_identity(cfg.data)  # compared by a re-run (the fingerprint holds settings only)
     if bundle.skipped_images:  # data.check_images=true data.bad_images=skip
         summary["skipped_images"] = len(bundle.skipped_images)
     check_batch_size(cfg, bundle, batch_size, d)
@@ -424,18 +443,20 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
                    loader=loaders.kind, world_size=d.world_size, num_classes=bundle.spec.num_classes)
     for cb in run.callbacks:
         cb.on_train_start(state)
-    with ended_on_stop(run.callbacks, state):  # trackers close as preempted or failed on a stop
-        run.resume(str(cfg.trainer.resume))
-        status, lr = run_steps(run, loaders, bundle.spec.num_classes)
-        finish_run(run, status, loaders.test, bundle.spec.num_classes, lr)
-    for cb in run.callbacks:
-        cb.on_train_end(state, status)
+    with PreemptionGuard() as guard:  # a signal while the final checkpoint is written waits for it
+        with ended_on_stop(run.callbacks, state):  # trackers close as preempted or failed on a stop
+            run.resume(str(cfg.trainer.resume))
+            status, lr = run_steps(run, loaders, bundle.spec.num_classes, guard)
+            finish_run(run, status, loaders.test, bundle.spec.num_classes, lr)
+        for cb in run.callbacks:
+            cb.on_train_end(state, status)
+        stop_if_signalled(guard)
 
 
-def run_steps(run: Run, loaders: Loaders, num_classes: int) -> tuple[str, float]:
+def run_steps(run: Run, loaders: Loaders, num_classes: int, guard: PreemptionGuard) -> tuple[str, float]:
     """Train from the run's current step to its last: log, evaluate and checkpoint on their
     schedules. Returns the status (completed, or diverged at a non-finite training loss) and
-    the last step's lr; a signal checkpoints and raises :class:`Preempted`."""
+    the last step's lr; a signal (``guard``) checkpoints and raises :class:`Preempted`."""
     state, cfg = run.state, run.state.cfg
     eval_every = max(1, to_steps(cfg.trainer.eval_every, cfg.trainer.eval_unit, state.steps_per_epoch))
     log_every = int(cfg.trainer.log_every)
@@ -445,26 +466,25 @@ def run_steps(run: Run, loaders: Loaders, num_classes: int) -> tuple[str, float]
     bar = tqdm(total=state.total_steps, initial=state.step, desc="train", disable=not sys.stderr.isatty(),
                dynamic_ncols=True)
     lr, status = state.lr, "completed"
-    with PreemptionGuard() as guard:
-        while state.step < state.total_steps:
-            x, y = next(stream)
-            x, y = x.to(state.device, non_blocking=True), y.to(state.device, non_blocking=True)
-            lr = state.lr
-            logits, loss = train_step(run.net, state.optimizer, run.callbacks, state, x, y)
-            last = end_step(state, run.meter, run.callbacks, loss, logits, y, bar)
-            if state.step % log_every == 0 or state.step % eval_every == 0 or last:
-                train_loss, train_acc = run.meter.read()
-                if not math.isfinite(train_loss):
-                    status = "diverged"
-                    log.warning("non-finite training loss at step %d: stopping (status diverged)", state.step)
-                    break
-                bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.4g}")
-                if bar.disable and state.step % log_every == 0:
-                    log.info("step %d/%d epoch %.2f loss %.4f acc %.2f%% lr %.4g", state.step, state.total_steps,
-                             state.epoch, train_loss, train_acc, lr)
-            if state.step % eval_every == 0 or last:
-                run.evaluate(loaders.test, num_classes, lr)
-            checkpoint_or_stop(guard, clock, state, last, run.save_periodic, [run.summary])
+    while state.step < state.total_steps:
+        x, y = next(stream)
+        x, y = x.to(state.device, non_blocking=True), y.to(state.device, non_blocking=True)
+        lr = state.lr
+        logits, loss = train_step(run.net, state.optimizer, run.callbacks, state, x, y)
+        last = end_step(state, run.meter, run.callbacks, loss, logits, y, bar)
+        if state.step % log_every == 0 or state.step % eval_every == 0 or last:
+            train_loss, train_acc = run.meter.read()
+            if not math.isfinite(train_loss):
+                status = "diverged"
+                log.warning("non-finite training loss at step %d: stopping (status diverged)", state.step)
+                break
+            bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.4g}")
+            if bar.disable and state.step % log_every == 0:
+                log.info("step %d/%d epoch %.2f loss %.4f acc %.2f%% lr %.4g", state.step, state.total_steps,
+                         state.epoch, train_loss, train_acc, lr)
+        if state.step % eval_every == 0 or last:
+            run.evaluate(loaders.test, num_classes, lr)
+        checkpoint_or_stop(guard, clock, state, last, run.save_periodic, [run.summary])
     bar.close()
     return status, lr
 
@@ -488,13 +508,15 @@ def train(cfg: DictConfig, run_dir: Path, callbacks: list[Callback] | None = Non
     main_process = distributed.from_environment().is_main  # only rank 0 writes files
     run_dir.mkdir(parents=True, exist_ok=True)
     if main_process:
+        checkpoint.remove_partial_files(run_dir)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     started = time.perf_counter()
     summary: dict[str, Any] = {"status": "failed", **version_stamp(), "fingerprint": fingerprint(cfg),
                                "config": OmegaConf.to_container(cfg, resolve=True)}
     try:
         validate(cfg)
-        fit(cfg, run_dir, summary, list(callbacks or []))
+        with distributed.peers_timeout_named(float(cfg.trainer.dist_timeout)):
+            fit(cfg, run_dir, summary, list(callbacks or []))
     except Preempted:
         raise
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started: no checkpoint

@@ -20,6 +20,7 @@ from bnexp.studies.claims import (
     Sample,
     arm_overrides,
     beats_clearly,
+    judge_ablation,
     judge_arora,
     judge_bnp,
     judge_cbn,
@@ -160,9 +161,45 @@ def test_every_claim_runs_through_the_presets_at_toy_size(tmp_path: Path, capsys
     assert code == 0, out[-3000:]
     assert "verdicts are not evidence" in out and "not CIFAR or ImageNet numbers" in out
     table = pd.read_csv(tmp_path / "claims.csv")
-    assert set(table["verdict"]) <= {HOLDS, FAILS, SHOWN, NOT_RUN} and len(table) == 3 + 1 + 8 + 1 + 1 + 1 + 2
+    assert set(table["verdict"]) <= {HOLDS, FAILS, SHOWN, NOT_RUN} and len(table) == 3 + 1 + 8 + 6 + 1 + 1 + 1 + 2
     for claim in CLAIMS.values():  # every run of every claim trained on the real digits
         frame = load_summaries(tmp_path / claim.name)
         assert len(frame) and set(frame["status"]) <= {"completed", "diverged"} and set(frame["data.name"]) == {"digits"}
     code, out = run_cli(["claims", "popnorm", "scale=quick", "jobs=1", f"out={tmp_path}", "trainer.device=cpu"], capsys)
     assert code == 0 and "2 skipped" in out  # a second call reuses the finished runs
+
+
+def test_ablation_judge_orders_the_final_training_losses(tmp_path: Path) -> None:
+    """relu: mean only 1.0 <= 0.9 x none's 2.2, division only 0.5 <= 0.9 x 1.0: both hold.
+    tanh: mean only 2.1 > 0.9 x 2.2 = 1.98, and division only diverged (inf): both fail."""
+    runs = {("mean_only", 1.0): (1.0, 2.1), ("mean_only", 4.0): (2.3, 2.3), ("division_only", 4.0): (0.5, None),
+            ("none", None): (2.2, 2.2)}
+    for (method, rho), losses in runs.items():
+        norm = {"rho": rho} if rho is not None else {"name": "none"}
+        for act, loss in zip(("relu", "tanh"), losses):
+            cfg = {"tags": {"method": method}, "act": {"name": act}, "norm": norm}
+            if loss is None:
+                write_run(tmp_path, f"{act}{method}{rho}", cfg, status="diverged", top1=10.0)
+            else:
+                write_run(tmp_path, f"{act}{method}{rho}", cfg, final_train_loss=loss)
+    relu_mean, relu_division, relu_kappa4, tanh_mean, tanh_division, _ = judge_ablation(load_summaries(tmp_path))
+    assert (relu_mean.verdict, relu_division.verdict, relu_kappa4.verdict) == (HOLDS, HOLDS, SHOWN)
+    assert relu_mean.measured == "final training loss: mean only 1.000, none 2.200"
+    assert relu_kappa4.measured == "final training loss 2.300"
+    assert (tanh_mean.verdict, tanh_division.verdict) == (FAILS, FAILS)
+    assert tanh_division.measured == "final training loss: division only inf, mean only 2.100"
+    assert judge_ablation(load_summaries(tmp_path / "nothing-here"))[0].verdict == NOT_RUN
+
+
+@pytest.mark.slow
+def test_ablation_claim_runs_at_toy_size_and_gives_its_verdict_rows(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_cli(["claims", "ablation", "scale=quick", "jobs=1", f"out={tmp_path}", "format=csv",
+                         "trainer.device=cpu"], capsys)
+    assert code == 0, out[-3000:]
+    table = pd.read_csv(tmp_path / "claims.csv")
+    assert list(table["source"].unique()) == ["POP-Norm Fig. 3 (VGG-16)"] and len(table) == 6
+    assert set(table["verdict"]) <= {HOLDS, FAILS, SHOWN} and (table["verdict"] == SHOWN).sum() == 2
+    frame = load_summaries(tmp_path / "ablation")
+    assert len(frame) == 8 and set(frame["data.name"]) == {"digits"} and set(frame["model.name"]) == {"vgg16"}
+    assert sorted(frame.loc[frame["tags.method"] == "mean_only", "norm.rho"].astype(float)) == [1.0, 1.0, 4.0, 4.0]

@@ -20,7 +20,7 @@ from torch import nn
 
 from bnexp.data.device import draws, pad_crop_flip
 from bnexp.models import DataSpec, build_model
-from bnexp.nn import BNP, BatchRenorm2d, CBN2d, NormFamily2d, POPNorm2d, set_learning_rate
+from bnexp.nn import BNP, BatchRenorm2d, CBN2d, FourThingsBN2d, NormFamily2d, POPNorm2d, set_learning_rate
 from tests.conftest import TINY, compose_cfg, run_cli
 from tests.test_resilience import CrashAt, assert_same_run, run_inprocess
 from tests.test_speed_paths import bound_si
@@ -33,6 +33,7 @@ RTOL = 1e-10
 NORMS: dict[str, Callable[[int], nn.Module]] = {
     "torch_bn": nn.BatchNorm2d, "cbn": CBN2d, "popnorm": POPNorm2d, "brn": BatchRenorm2d, "bn_si": bound_si,
     "decoupled": lambda c: NormFamily2d(c, decouple=True, rho=2.0), "gn": lambda c: nn.GroupNorm(2, c),
+    "bn_4things": lambda c: FourThingsBN2d(c, ghost_batch=3, groups=3, alpha=0.2),  # ghost batches of 3, 3 and 2
 }
 GPU_ON = ["trainer.device=cuda"]
 # Deterministic cuBLAS (trainer.deterministic=true) needs this before CUDA starts in this process.

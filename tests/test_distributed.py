@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
+from bnexp import runlock
+from bnexp.config import config_dir, register_resolvers
 from bnexp.distributed import Dist, split_batch
-from bnexp.errors import ConfigError
+from bnexp.errors import EXIT_LOCKED, EXIT_PREEMPTED, ConfigError
+from bnexp.identity import run_name
+from bnexp.launch import RUN_DIR_ENV, torchrun_command
 from bnexp.trainer import train
 from tests.conftest import TINY, compose_cfg, read_summary, run_cli
+from tests.test_resilience import assert_same_run, wait_for_checkpoint
 
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
 BASE = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.batch_size", "data.train_size"))]
@@ -111,3 +125,197 @@ def test_split_batch_under_torchrun() -> None:
     with pytest.raises(ConfigError, match="batch_size=256 is not divisible by the 3 processes.*"
                                           "trainer.nproc, or torchrun's nnodes x nproc_per_node"):
         split_batch(256, Dist(1, 3, 1))
+
+
+# ---- the README's command (trainer.nproc=2) in the default run directory, and its faults ----
+
+# Enough steps that a signal sent after the checkpoint at step 2 arrives long before the
+# end; one evaluation, at the end, so that its metrics.csv row spans any restart.
+STEPS = 100
+NPROC_RUN = ["trainer.nproc=2", *BASE, "trainer.batch_size=16", f"trainer.max_steps={STEPS}", "trainer.deterministic=true",
+             "trainer.checkpoint_every=2", "trainer.checkpoint_unit=step", "trainer.eval_every=1000",
+             "trainer.eval_unit=step"]
+NPROC_COMMAND = [sys.executable, "-m", "bnexp", "train", *NPROC_RUN]  # exactly as a user types it
+
+
+def default_run_dir(cwd: Path, overrides: list[str] = NPROC_RUN) -> Path:
+    """Where ``bnexp train OVERRIDES`` started in ``cwd`` writes: the default hydra.run.dir."""
+    return cwd / "results" / "runs" / run_name(overrides)
+
+
+@contextmanager
+def launched(cwd: Path, *extra: str) -> Iterator[subprocess.Popen]:
+    """NPROC_COMMAND (and ``extra``) started in ``cwd``; whatever is left of it when the block
+    ends (a failed assertion) is killed, the launcher and every process below it."""
+    cwd.mkdir(exist_ok=True)
+    proc = subprocess.Popen([*NPROC_COMMAND, *extra], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        yield proc
+    finally:
+        for pid in descendants(proc.pid) if proc.poll() is None else []:
+            os.kill(pid, signal.SIGKILL)  # first: they hold proc's stderr open
+        proc.kill()
+        proc.communicate()
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+    """Wait up to ``timeout`` seconds for ``proc``; its exit code and stderr."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running after {timeout} s") from None
+    return proc.returncode, err
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (its children, theirs, ...), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return [p for p in found if alive(p)]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until_gone(pids: list[int], timeout: float) -> list[int]:
+    """The processes of ``pids`` still alive after waiting up to ``timeout`` seconds for them."""
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-process run of NPROC_COMMAND, uninterrupted, in the default run directory."""
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    with launched(cwd) as proc:
+        code, err = finish(proc)
+    assert code == 0, err[-3000:]
+    return default_run_dir(cwd)
+
+
+@pytest.mark.slow
+def test_readme_command_runs_in_the_default_run_directory(uninterrupted: Path) -> None:
+    """The directory's name holds '=' and ',', which the ranks once parsed as overrides."""
+    assert "=" in uninterrupted.name and "," in uninterrupted.name
+    summary = read_summary(uninterrupted)
+    assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["steps"] == STEPS
+    hydra_yaml = (uninterrupted / ".hydra" / "hydra.yaml").read_text()  # the launcher's, as the user ran it
+    assert RUN_DIR_ENV not in hydra_yaml and "hydra.run.dir" not in hydra_yaml
+
+
+def test_run_directory_reaches_the_ranks_whatever_its_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The override the launcher gives the ranks resolves to the directory, character for character."""
+    name = tmp_path / "results" / "runs" / "act=relu,norm=bn 'q\" [1]:{2} $HOME \\"
+    override = torchrun_command(2, ["norm=bn"])[-1]
+    monkeypatch.setenv(RUN_DIR_ENV, str(name))
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[override], return_hydra_config=True)
+    assert OmegaConf.select(cfg, "hydra.run.dir") == str(name)
+
+
+@pytest.mark.slow
+def test_sigterm_then_rerun_resumes_bit_identically(uninterrupted: Path, tmp_path: Path) -> None:
+    """metrics.csv's row spanning the restart too: each process checkpoints its own train sums."""
+    run_dir = default_run_dir(tmp_path)
+    with launched(tmp_path) as proc:
+        wait_for_checkpoint(run_dir, proc, 2, timeout=300)
+        proc.send_signal(signal.SIGTERM)
+        code, err = finish(proc)
+    assert code == EXIT_PREEMPTED, err[-3000:]
+    assert read_summary(run_dir)["steps"] < STEPS
+    with launched(tmp_path) as proc:
+        code, err = finish(proc)
+    assert code == 0, err[-3000:]
+    assert "resumed_from" in read_summary(run_dir)
+    assert_same_run(uninterrupted, run_dir)
+
+
+@pytest.mark.slow
+def test_frozen_rank_ends_the_run_within_its_timeout(tmp_path: Path) -> None:
+    """A rank stopped with SIGSTOP: the other waits trainer.dist_timeout seconds, then the run
+    stops (torchrun kills the frozen one after its 30 s grace)."""
+    timeout = 5
+    extra = ["trainer.max_steps=100000", f"trainer.dist_timeout={timeout}"]
+    run_dir = default_run_dir(tmp_path, [*NPROC_RUN, *extra])
+    with launched(tmp_path, *extra) as proc:
+        wait_for_checkpoint(run_dir, proc, 2, timeout=300)
+        [rank] = [p for p in descendants(proc.pid) if b"RANK=1" in Path(f"/proc/{p}/environ").read_bytes().split(b"\0")]
+        os.kill(rank, signal.SIGSTOP)
+        code, err = finish(proc, timeout=150)  # 5 s + 30 s, and room for a loaded machine
+    assert code != 0
+    assert f"did not answer for trainer.dist_timeout={timeout} s" in err, err[-3000:]
+    assert err.rstrip().splitlines()[-1].startswith("bnexp: error: the 2 processes of"), err[-3000:]
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_launcher_ends_every_process_of_the_run(uninterrupted: Path, tmp_path: Path) -> None:
+    """No rank or torchrun agent outlives a SIGKILLed launcher; the same command run at once
+    waits for them, then resumes: one writer at a time, the result bit-identical."""
+    run_dir = default_run_dir(tmp_path)
+    with launched(tmp_path) as proc:
+        wait_for_checkpoint(run_dir, proc, 2, timeout=300)
+        old = descendants(proc.pid)  # torchrun's agent and the two ranks
+        for pid in old:  # frozen mid-step: none can finish the run before the check below
+            os.kill(pid, signal.SIGSTOP)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        try:
+            with launched(tmp_path) as rerun:
+                survivors = wait_until_gone(old, 30)
+                code, err = finish(rerun)
+        finally:
+            for pid in old:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+    assert len(old) >= 3 and survivors == []
+    assert code == 0, err[-3000:]
+    assert "resumed_from" in read_summary(run_dir)
+    assert_same_run(uninterrupted, run_dir)
+
+
+def test_stale_lock_waits_for_every_process_of_its_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A lock whose owner is dead while another process of its run (a rank, a DataLoader
+    worker) still holds it: the re-run waits, then stops with exit 4; once the process is
+    gone the lock is taken over."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runlock, "STALE_WAIT", 1.0)
+    args = [*TINY, "trainer.max_steps=2"]
+    lock = default_run_dir(tmp_path, args) / runlock.LOCK_NAME
+    lock.parent.mkdir(parents=True)
+    dead = subprocess.Popen(["true"])  # a process that has ended
+    dead.wait()
+    lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                               f"f = open({str(lock)!r}); fcntl.flock(f, fcntl.LOCK_SH); print(flush=True); "
+                               "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        holder.stdout.readline()  # it holds the lock
+        code, out = run_cli(["train", *args], capsys)
+        assert code == EXIT_LOCKED, out
+        assert f"still being written by processes of the run of process {dead.pid}, which ended" in out
+        assert sorted(p.name for p in lock.parent.iterdir()) == [runlock.LOCK_NAME]  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    code, out = run_cli(["train", *args], capsys)
+    assert code == 0 and "removing the stale lock" in out, out

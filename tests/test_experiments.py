@@ -30,7 +30,7 @@ EXPECTED_RUNS = {
     "popnorm/kappa": 3 * 3 * 10,
     "popnorm/ablation": 5 * 3 * 10,
     "bnp/fc": (4 + 4 + 5 + 3) * 5,  # (MNIST 60, CIFAR 60, CIFAR 6, CIFAR 1) methods with a paper lr x seeds
-    "bnp/cnn5": (3 + 4 + 2) * 5,  # batch 128, 2, 1
+    "bnp/cnn5": (4 + 5 + 3) * 5,  # batch 128, 2, 1
     "bnp/resnet110": 4 * 5,
     "bnp/preact110": 4 * 5,
     "bnp/hessian": 2 * 5,
@@ -109,6 +109,20 @@ def test_bnp_learning_rates_come_from_the_paper_table(tmp_path: Path) -> None:
     assert na.optim.lr is None and "N/A" in skip_reason(na, tmp_path)
     wd = compose_cfg(["experiment=bnp/resnet110", "norm=bnp_gn"])
     assert wd.optim.weight_decay == 1.5e-4 and compose_cfg(["experiment=bnp/resnet110"]).optim.weight_decay == 1e-4
+
+
+def test_bnp_cnn5_trains_with_adam_where_the_paper_did() -> None:
+    """BNP Appendix B: Adam for vanilla at batch 128 and for BN with 4 things (every batch
+    size, batch-group normalization at 2 and 1), SGD for every other cell."""
+    p = load_preset("bnp/cnn5")
+    optimizers = {}
+    for cfg in job_configs("bnp/cnn5", "full", p.jobs):
+        cell = (cfg["norm.name"], cfg["trainer.batch_size"])
+        optimizers.setdefault(cell, set()).add((cfg["optim.name"], cfg.get("norm.groups")))
+    adam = {("none", 128), ("bn_4things", 128), ("bn_4things", 2), ("bn_4things", 1)}
+    assert {cell for cell, seen in optimizers.items() if {name for name, _ in seen} == {"adam"}} == adam
+    assert all(len(seen) == 1 for seen in optimizers.values()) and len(optimizers) == 12
+    assert [optimizers[("bn_4things", b)] for b in (128, 2, 1)] == [{("adam", None)}, {("adam", 4)}, {("adam", 4)}]
 
 
 def fake_runs(results: Path, jobs: list[list[str]], accuracy: Callable[[list[str]], float]) -> None:

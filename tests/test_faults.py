@@ -7,19 +7,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import resource
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from bnexp import checkpoint
-from bnexp.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, ConfigError
-from bnexp.identity import cell_name, fingerprint, run_name
+from bnexp.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_PREEMPTED, ConfigError
+from bnexp.identity import NEUTRAL_SINCE_ADDED, cell_name, fingerprint, run_name
 from bnexp.runlock import LOCK_NAME
 from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli, run_dir_of
 from tests.test_resilience import CrashAt, assert_same_run, cli_command, run_inprocess, wait_for_checkpoint
@@ -29,6 +33,15 @@ STEPS = ["trainer.checkpoint_every=2", "trainer.checkpoint_unit=step"]
 
 def train_args(tmp_path: Path, *extra: str) -> list[str]:
     return ["train", *TINY, *STEPS, *extra, *run_dir_of(tmp_path)]
+
+
+HOOKED = [sys.executable, str(Path(__file__).with_name("fault_hooks.py"))]  # bnexp with a fault at an exact moment
+
+
+def only_run(folder: Path) -> Path:
+    """The one run directory a command run in ``folder`` made (the default run directory)."""
+    (run,) = (folder / "results" / "runs").iterdir()
+    return run
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -77,6 +90,51 @@ def test_same_settings_rerun_is_skipped(tmp_path: Path, capsys: pytest.CaptureFi
     assert (tmp_path / "run" / "summary.json").stat().st_mtime_ns == stamp
 
 
+NPZ = [*(o for o in TINY if not o.startswith("data")), "data=npz", "data.path=d.npz"]
+
+
+def write_npz(path: Path, classes: int) -> None:
+    """An npz data set of 8 x 8 images whose labels cycle through ``classes`` classes."""
+    rng = np.random.default_rng(0)
+    np.savez(path, x_train=rng.integers(0, 256, (64, 8, 8, 3), dtype=np.uint8), y_train=np.arange(64) % classes,
+             x_test=rng.integers(0, 256, (32, 8, 8, 3), dtype=np.uint8), y_test=np.arange(32) % classes)
+
+
+def test_data_file_replaced_under_the_same_path_is_other_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    write_npz(tmp_path / "d.npz", 10)
+    assert run_cli(["train", *NPZ], capsys)[0] == 0
+    run = only_run(tmp_path)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    write_npz(tmp_path / "d.npz", 11)
+    code, out = run_cli(["train", *NPZ], capsys)
+    assert code == EXIT_CONFIG, out
+    assert "holds a run completed with other settings (data file d.npz: " in out and " sha256 " in out
+    assert f"{(tmp_path / 'd.npz').stat().st_size} bytes, sha256 " \
+           f"{hashlib.sha256((tmp_path / 'd.npz').read_bytes()).hexdigest()[:12]}... here" in out
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    code, out = run_cli(["train", *NPZ, "trainer.resume=never"], capsys)
+    assert code == 0 and read_summary(run)["num_classes"] == 11
+
+
+def test_unchanged_data_file_is_reused_as_before(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run records its data file's size and sha256; a re-run skips it, also when only the
+    file's modification time changed (its bytes are compared then)."""
+    monkeypatch.chdir(tmp_path)
+    write_npz(tmp_path / "d.npz", 10)
+    assert run_cli(["train", *NPZ], capsys)[0] == 0
+    recorded = read_summary(only_run(tmp_path))["data_files"]["d.npz"]
+    data = (tmp_path / "d.npz").read_bytes()
+    assert (recorded["size"], recorded["sha256"]) == (len(data), hashlib.sha256(data).hexdigest())
+    for touch in (False, True):
+        if touch:
+            os.utime(tmp_path / "d.npz", ns=(recorded["mtime_ns"] + 10**9,) * 2)
+        code, out = run_cli(["train", *NPZ], capsys)
+        assert code == 0 and "skipped: already completed" in out, touch
+
+
 def test_fingerprint_and_directory_name_follow_the_result_settings() -> None:
     base = compose_cfg(TINY)
     same = ["trainer.log_every=7", "trainer.checkpoint_every=3", "trainer.keep_checkpoints=5", "logger=tensorboard",
@@ -91,6 +149,22 @@ def test_fingerprint_and_directory_name_follow_the_result_settings() -> None:
     assert cell_name(["experiment=cbn/table1", "scale=quick", "act=tanh"]) == "act=tanh"  # in the preset's folder
     long = run_name([f"tags.x={'a' * 300}", "optim.lr=" + "1" * 300])
     assert len(long) <= 200 and long.startswith("optim.lr=111")
+
+
+@pytest.mark.parametrize("overrides", [[], ["model=vgg16", "norm=cbn"], ["norm=bnp", "model=resnet110"], ["norm=none"]])
+def test_settings_added_later_keep_older_fingerprints_at_their_neutral_value(overrides: list[str]) -> None:
+    """norm.input, model.init_scale and schedule.warmup_unit came after runs were recorded:
+    at the value that computes what those runs did, a config fingerprints as if the key
+    were absent (the config an older bnexp wrote); any other value is another run."""
+    cfg = compose_cfg([*TINY, *overrides])
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    for key in NEUTRAL_SINCE_ADDED:
+        group, name = key.split(".")
+        # the shipped default is the neutral one (norm.input exists only for norms that have a placement)
+        assert tree[group].pop(name, NEUTRAL_SINCE_ADDED[key]) == NEUTRAL_SINCE_ADDED[key], key
+    assert fingerprint(cfg) == fingerprint(tree)
+    for other in ("model.init_scale=0.5", "schedule.warmup_unit=step"):
+        assert fingerprint(compose_cfg([*TINY, *overrides, other])) != fingerprint(cfg), other
 
 
 def test_resume_from_a_checkpoint_of_other_settings_is_refused(tmp_path: Path) -> None:
@@ -160,6 +234,35 @@ def test_full_disk_loses_checkpoints_not_the_run(tmp_path: Path) -> None:
     assert "the run's metrics and summary stand (status completed)" in (run / "train.log").read_text()
     assert len(read_metrics(run / "metrics.csv")) == 3 and not (run / "checkpoint.pt").exists()
     assert not (run / checkpoint.CHECKPOINT_DIR).exists()  # no empty folder left
+
+
+@pytest.mark.slow
+def test_file_size_limit_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """``ulimit -f 1`` (1 KiB): the first file that outgrows it (Hydra's ``hydra.yaml``) ends
+    the run with one line naming the run and the error, exit 1."""
+    done = subprocess.run([sys.executable, "-m", "bnexp", "train", *TINY], cwd=tmp_path, capture_output=True, text=True,
+                          preexec_fn=lambda: limit_file_size(1024))
+    assert done.returncode == EXIT_FAILED, done.stderr[-3000:]
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"bnexp: error: cannot write to {only_run(tmp_path)} (OSError: [Errno 27] File too large)")
+
+
+@pytest.mark.slow
+def test_run_log_that_cannot_grow_is_one_warning(tmp_path: Path) -> None:
+    """8 KiB: the run's other small files fit, its ``train.log`` (a line per step) does not:
+    one warning names it, the log keeps what it holds, and the run trains to the end (as
+    when its checkpoints cannot be written: the final one is too large here)."""
+    args = [*(o for o in TINY if not o.startswith("trainer.max_steps")), "trainer.max_steps=100",
+            "trainer.log_every=1", "trainer.eval_every=100", "trainer.eval_unit=step"]
+    done = subprocess.run([sys.executable, "-m", "bnexp", "train", *args], cwd=tmp_path, capture_output=True,
+                          text=True, preexec_fn=lambda: limit_file_size(8192))
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = only_run(tmp_path)
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"bnexp: warning: cannot write to {run / 'train.log'} (OSError: [Errno 27] File too large)")
+    assert read_summary(run)["status"] == "completed"
+    log = (run / "train.log").read_text()
+    assert len(log) == 8192 and "step 1/100 " in log
 
 
 @pytest.mark.parametrize("error", [OSError(28, "No space left on device"),
@@ -348,3 +451,56 @@ def test_each_adhoc_sweep_has_its_own_folder(tmp_path: Path, monkeypatch: pytest
         assert (tmp_path / "results" / "multirun" / folder / "multirun.yaml").is_file()
     code, out = run_cli(first, capsys)  # the same command finds its folder again
     assert code == 0 and "2 cells: 0 completed, 0 diverged, 0 failed, 2 skipped" in out
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_final_checkpoint_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The signal waits for the final checkpoint: the run completes, leaves no lock and no
+    temporary file, the process exits 75 as on any SIGTERM, and the re-run skips the run,
+    whose result is an uninterrupted run's."""
+    args = ["train", *TINY, *STEPS]
+    for name in ("signalled", "reference"):
+        (tmp_path / name).mkdir()
+    done = subprocess.run([*HOOKED, "sigterm-in-final-save", *args], cwd=tmp_path / "signalled", capture_output=True,
+                          text=True)
+    assert done.returncode == EXIT_PREEMPTED, done.stderr[-3000:]
+    assert "stopped by SIGTERM" in done.stderr and "Traceback" not in done.stderr
+    run = only_run(tmp_path / "signalled")
+    assert read_summary(run)["status"] == "completed"
+    assert not list(run.rglob("*.tmp")) and not (run / LOCK_NAME).exists()
+    monkeypatch.chdir(tmp_path / "signalled")
+    code, out = run_cli(args, capsys)
+    assert code == 0 and "skipped: already completed" in out
+    monkeypatch.chdir(tmp_path / "reference")
+    assert run_cli(args, capsys)[0] == 0
+    assert_same_run(only_run(tmp_path / "reference"), run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hook,resumed_from", [("sigkill-in-final-save", "checkpoints/step-000000002.pt"),
+                                               ("sigkill-after-final-save", "checkpoint.pt")])
+def test_sigkill_around_the_final_checkpoint_resumes_from_the_newest_one(
+        hook: str, resumed_from: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed while the final checkpoint is written (its temporary file and the lock stay
+    behind) or just after (the periodic checkpoints already removed, no summary yet): the
+    re-run takes over the lock, removes the temporary file, resumes from the newest
+    checkpoint there and ends as an uninterrupted run."""
+    args = ["train", *TINY, *STEPS]
+    for name in ("killed", "reference"):
+        (tmp_path / name).mkdir()
+    done = subprocess.run([*HOOKED, hook, *args], cwd=tmp_path / "killed", capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    run = only_run(tmp_path / "killed")
+    assert (run / LOCK_NAME).exists()
+    monkeypatch.chdir(tmp_path / "killed")
+    code, out = run_cli(args, capsys)
+    assert code == 0, out
+    assert read_summary(run)["resumed_from"] == str(run / resumed_from)
+    removed = f"removing {run / '.checkpoint.pt.tmp'}, left by a write that did not finish"
+    assert (removed in (run / "train.log").read_text()) == (hook == "sigkill-in-final-save")
+    assert not list(run.rglob("*.tmp")) and not (run / LOCK_NAME).exists()
+    monkeypatch.chdir(tmp_path / "reference")
+    assert run_cli(args, capsys)[0] == 0
+    assert_same_run(only_run(tmp_path / "reference"), run)

@@ -31,6 +31,15 @@ def test_each_preset_completes(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert read_summary(tmp_path / "run")["status"] == "completed"
 
 
+def test_bn_4things_trains_at_batch_1_with_channel_groups(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Batch-group normalization takes its statistics over groups of channels, so a batch of
+    one trains (without norm.groups it is refused, as BN is)."""
+    code, out = run_cli(["train", *TINY, "norm=bn_4things", "norm.groups=2", "trainer.batch_size=1",
+                         *run_dir_of(tmp_path)], capsys)
+    assert code == 0, out
+    assert read_summary(tmp_path / "run")["status"] == "completed"
+
+
 class RecordAmatEta(Callback):
     """After each forward (so after before_step handed the lr), read every AMAT layer's eta."""
 
@@ -178,6 +187,25 @@ def test_weight_decay_per_group_matches_torch_sgd() -> None:
             opt.step()
     for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_adam_has_keras_defaults_and_steps_as_written_out() -> None:
+    """optim=adam: Keras's lr 1e-3, beta_1 0.9, beta_2 0.999, epsilon 1e-7; two steps equal
+    Adam's update computed by hand in float64 (bias-corrected moments, eps added to sqrt(v_hat))."""
+    cfg = compose_cfg([*TINY, "optim=adam"]).optim
+    p = nn.Parameter(torch.tensor([0.5, -2.0, 3e-4], dtype=torch.float64))
+    opt = build_optimizer(nn.ParameterList([p]), cfg)
+    assert type(opt) is torch.optim.Adam
+    assert [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in opt.param_groups] == [(1e-3, (0.9, 0.999),
+                                                                                              1e-7, 0.0)] * 2
+    grads = [torch.tensor([0.3, -1e-6, 2.0], dtype=torch.float64), torch.tensor([-0.1, 4.0, 2.0], dtype=torch.float64)]
+    want, m, v = p.detach().clone(), torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g**2
+        want = want - 1e-3 * (m / (1 - 0.9**t)) / ((v / (1 - 0.999**t)).sqrt() + 1e-7)
+        p.grad = g.clone()
+        opt.step()
+    torch.testing.assert_close(p.detach(), want, rtol=1e-15, atol=1e-15)
 
 
 @pytest.mark.parametrize("key", ["lr_w", "wd_w"])

@@ -16,7 +16,7 @@ from torch import nn
 from bnexp.activations import ACTIVATIONS
 from bnexp.models import MODELS, DataSpec, build_model, count_parameters
 from bnexp.models.layers import NormOp, ResidualJoin, normalized_ops
-from bnexp.nn import CBN1d, CBN2d, POPNorm2d, ScaleInvariantBN2d
+from bnexp.nn import CBN1d, CBN2d, FourThingsBN2d, POPNorm2d, ScaleInvariantBN2d
 from bnexp.nn.renorm import BatchRenorm2d
 from bnexp.norms import build_norm_spec, create_norm
 
@@ -204,7 +204,8 @@ def test_popnorm_and_cbn_presets_build_their_papers_networks() -> None:
 # The presets that define a method: each builds the class users import, with that class's
 # defaults. A flag variant (another YAML file) only has to build.
 PRESET_CLASSES = {"bn": nn.BatchNorm2d, "cbn": CBN2d, "popnorm": POPNorm2d, "brn": BatchRenorm2d,
-                  "bn_si": ScaleInvariantBN2d, "gn": nn.GroupNorm, "ln": nn.GroupNorm, "none": nn.Identity}
+                  "bn_si": ScaleInvariantBN2d, "bn_4things": FourThingsBN2d, "gn": nn.GroupNorm, "ln": nn.GroupNorm,
+                  "none": nn.Identity}
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in NORM_DIR.glob("*.yaml")))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from bnexp.nn import (
     BatchRenorm1d,
     BatchRenorm2d,
     CBN2d,
+    FourThingsBN2d,
     NormFamily2d,
     POPNorm2d,
     ScaleInvariantBN1d,
@@ -60,6 +62,9 @@ def gradcheck_module(module: nn.Module, inputs: dict, x: torch.Tensor) -> bool:
 # -- batch renormalization -------------------------------------------------------------------
 
 
+NO_SCHEDULE = {"relax_start": 0, "r_max_step": 0, "d_max_step": 0}  # the given limits from the first step
+
+
 def brn_reference(batches, gamma, beta, limits, momentum):
     """Ioffe's batch renormalization written out channel by channel; ``limits(k) = (r_max, d_max)``."""
     mu_run, std_run = [0.0] * 3, [1.0] * 3
@@ -84,7 +89,7 @@ def brn_reference(batches, gamma, beta, limits, momentum):
 @pytest.mark.parametrize("r_max,d_max,momentum", [(3.0, 5.0, 0.01), (1.5, 0.5, 0.3)])
 def test_brn_forward_running_averages_and_eval(dim, r_max, d_max, momentum):
     cls = BatchRenorm1d if dim == 1 else BatchRenorm2d
-    m = randomize(cls(3, r_max=r_max, d_max=d_max, momentum=momentum, eps=EPS).to(DT))
+    m = randomize(cls(3, r_max=r_max, d_max=d_max, momentum=momentum, eps=EPS, **NO_SCHEDULE).to(DT))
     batches = [batch(dim, s) for s in range(4)]
     outs = [m(x) for x in batches]
     gamma, beta = m.weight.detach().tolist(), m.bias.detach().tolist()
@@ -100,10 +105,31 @@ def test_brn_forward_running_averages_and_eval(dim, r_max, d_max, momentum):
     torch.testing.assert_close(m(x), want, rtol=1e-12, atol=1e-12)
 
 
-def test_brn_limits_ramp_linearly():
-    m = randomize(BatchRenorm2d(3, r_max=3.0, d_max=5.0, momentum=0.2, ramp_steps=4).to(DT))
-    expected = [(1.0, 0.0), (1.5, 1.25), (2.0, 2.5), (2.5, 3.75), (3.0, 5.0), (3.0, 5.0)]
-    batches = [batch(2, s) for s in range(6)]
+def ioffe_limits(step: int, start: int = 5000, r_end: int = 40000, d_end: int = 25000) -> tuple[float, float]:
+    """Ioffe (2017)'s clipping limits at ``step``: (1, 0) until ``start``, then linear to
+    r_max 3 at ``r_end`` and d_max 5 at ``d_end``."""
+    def done(end: int) -> float:
+        return min(max((step - start) / (end - start), 0.0), 1.0)
+
+    return 1.0 + 2.0 * done(r_end), 5.0 * done(d_end)
+
+
+@pytest.mark.parametrize("step", [0, 4999, 5000, 12500, 25000, 32500, 40000, 166000])
+def test_brn_default_limits_follow_ioffes_schedule_in_steps(step):
+    m = BatchRenorm2d(3).to(DT)
+    m.num_batches_tracked.fill_(step)
+    r_max, d_max = m.limits()
+    assert (float(r_max), float(d_max)) == pytest.approx(ioffe_limits(step), rel=1e-12)
+    if step == 25000:  # the issue's example: a 166k-step run clipped at (1.30, 0.75) here with a ramp over the run
+        assert (float(r_max), float(d_max)) == pytest.approx((1 + 2 * 20 / 35, 5.0), rel=1e-12)
+
+
+def test_brn_schedule_numbers_are_settings_and_the_forward_uses_them():
+    m = randomize(BatchRenorm2d(3, r_max=3.0, d_max=5.0, momentum=0.2, relax_start=1, r_max_step=5,
+                                d_max_step=3).to(DT))
+    expected = [ioffe_limits(k, start=1, r_end=5, d_end=3) for k in range(7)]
+    assert expected[:4] == [(1.0, 0.0), (1.0, 0.0), (1.5, 2.5), (2.0, 5.0)]
+    batches = [batch(2, s) for s in range(7)]
     outs = []
     for k, x in enumerate(batches):
         r_max, d_max = m.limits()
@@ -112,7 +138,18 @@ def test_brn_limits_ramp_linearly():
     ref, _, _ = brn_reference(batches, m.weight.detach().tolist(), m.bias.detach().tolist(), lambda k: expected[k], 0.2)
     for got, want in zip(outs, ref):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    assert BatchRenorm2d(3).limits() == (3.0, 5.0)  # no ramp: the given limits
+    assert BatchRenorm2d(3, **NO_SCHEDULE).limits() == (3.0, 5.0)  # no schedule
+    assert BatchRenorm2d(3, r_max=None, d_max=None).limits() == (math.inf, math.inf)  # TensorFlow: no clipping
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"r_max_step": 100}, "must not come before relax_start=5000"),
+    ({"relax_start": -1}, "relax_start must be a step count >= 0, got -1"),
+    ({"r_max": 0.5}, "need r_max >= 1 and d_max >= 0"),
+])
+def test_brn_schedule_rejects_impossible_numbers(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        BatchRenorm2d(3, **options)
 
 
 @pytest.mark.parametrize("dim", [1, 2])
@@ -131,7 +168,7 @@ def test_brn_gradcheck(dim):
     assert gradcheck_module(plain, {"weight": plain.weight, "bias": plain.bias}, x)
     # Far-off moving averages pin r at r_max and d at -d_max: both locally constant, so the
     # stop-gradient is the true derivative and gradcheck applies with the real limits.
-    pinned = randomize(cls(3).to(DT))
+    pinned = randomize(cls(3, **NO_SCHEDULE).to(DT))
     with torch.no_grad():
         pinned.running_std.fill_(0.01)
         pinned.running_mean.fill_(10.0)
@@ -310,8 +347,9 @@ COMPILED = {
     "cbn_amat": (lambda: CBN2d(3), True),
     "cbn_amat_printed_order_clipped": (lambda: CBN2d(3, amat_update="after_forward", amat_r_max=0.95), True),
     "popnorm": (lambda: POPNorm2d(3), True),
-    "brn_ramp": (lambda: BatchRenorm2d(3, ramp_steps=2), False),
+    "brn_schedule": (lambda: BatchRenorm2d(3, relax_start=1, r_max_step=3, d_max_step=2), False),
     "bn_si": (conv_bn_si, False),
+    "bn_4things": (lambda: FourThingsBN2d(3, ghost_batch=2, groups=3, alpha=0.2), True),  # a short last ghost batch
 }
 
 

@@ -27,10 +27,13 @@ def test_published_numbers_have_their_schema_and_known_values() -> None:
 
     frame = published()
     assert list(frame.columns) == ["paper", "table", "dataset", "model", "activation", "row", "method", "metric",
-                                   "mean", "std", "note"]
+                                   "mean", "std", "runs", "note"]
     assert set(frame["paper"]) == {"cbn", "popnorm", "bnp"}
     assert set(frame["metric"]) == {"top1", "top5", "seconds_per_epoch"}
     assert frame["mean"].notna().all() and (frame["std"].dropna() >= 0).all()
+    # the run counts the papers state: ten trials wherever a spread is printed, one where a table says one run
+    assert (frame.loc[frame["std"].notna(), "runs"] == 10).all()
+    assert (frame.loc[frame["note"].str.contains("single run"), "runs"] == 1).all()
     accuracy = frame[frame["metric"] != "seconds_per_epoch"]
     assert accuracy["mean"].between(0, 100).all()
     assert not frame.duplicated(["paper", "table", "dataset", "model", "activation", "row", "method", "metric"]).any()

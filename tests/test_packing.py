@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from bnexp import checkpoint
@@ -389,6 +390,22 @@ def test_sigterm_checkpoints_every_run_of_the_pack(tmp_path: Path) -> None:
         assert checkpoint.load(checkpoint.periodic_checkpoints(d)[0])["step"] == read_summary(d)["steps"]
 
 
+@pytest.mark.slow
+def test_sigterm_while_a_pack_writes_its_final_checkpoints(tmp_path: Path) -> None:
+    """The signal comes as the first run's final checkpoint is written: every run of the pack
+    completes with its final checkpoint, then the process stops with 75."""
+    from tests.test_faults import HOOKED
+
+    done = subprocess.run([*HOOKED, "sigterm-in-final-save", "train", *PACK_RUN, "trainer.pack=3"], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert done.returncode == EXIT_PREEMPTED, done.stderr[-3000:]
+    runs = list((tmp_path / "results" / "runs").iterdir())
+    assert len(runs) == 3
+    for run in runs:
+        assert read_summary(run)["status"] == "completed" and checkpoint.load(run / "checkpoint.pt")["step"] == 6
+        assert not list(run.rglob("*.tmp")) and not (run / ".lock").exists()
+
+
 def test_pack_refuses_what_it_cannot_share(tmp_path: Path, capsys) -> None:
     code, out = run_cli(["train", *PACK_RUN, "trainer.pack=2", "probes=[grad_norm]",
                          f"hydra.run.dir={tmp_path / 'run'}"], capsys)
@@ -409,7 +426,7 @@ EVERY_MODEL = {  # (overrides, image size)
     "efficientnet_b0": (["model=efficientnet_b0", "model.width_mult=0.25", "model.depth_mult=0.25", "model.dropout=0",
                          "model.stochastic_depth=0"], 16),
 }
-EVERY_NORM = ["bn", "bn_si", "brn", "gn", "ln", "none", "cbn", "popnorm", "bnp", "bnp_gn"]
+EVERY_NORM = ["bn", "bn_si", "brn", "gn", "ln", "none", "cbn", "popnorm", "bnp", "bnp_gn", "bn_4things"]
 # Every norm on the small models; on the large ones (whose layers the small ones share)
 # plain and AMAT per-channel statistics, to keep the suite under its 10 minutes.
 LARGE = ("preact_resnet110", "resnet18", "resnet50", "vgg16", "efficientnet_b0")
@@ -422,7 +439,8 @@ def test_every_model_and_norm_packs_exactly(model: str, norm: str, tmp_path: Pat
     """Two training steps of every model under every norm, packed against alone, in float64:
     the same weights and statistics to rounding (relative to each tensor's magnitude)."""
     overrides, size = EVERY_MODEL[model]
-    groups = ["norm.groups=2"] if "gn" in norm else []
+    groups = ["norm.groups=2"] if "gn" in norm or norm == "bn_4things" else []
+    groups += ["norm.ghost_batch=2"] if norm == "bn_4things" else []
     cfg = compose_cfg([*overrides, f"norm={norm}", *PROTOCOL, *groups, "optim.lr=1e-3"])
     spec = DataSpec(10, 3, size)
     models = [seeded(cfg, spec, run) for run in range(RUNS)]
@@ -570,3 +588,31 @@ def test_nan_in_float64_leaves_the_others_as_alone(tmp_path: Path) -> None:
     for run in (0, 2):
         alone, _ = train(cfg, seeded(cfg, spec, run), data[run], tmp_path, nn.functional.cross_entropy)
         assert max_difference(parts[run], alone.state_dict()) < TOL
+
+
+@pytest.mark.slow
+def test_sigkill_after_a_run_diverged_resumes_the_pack_bit_exactly(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Run 1 of a pack of 3 diverges at step 2 and is frozen; the pack is killed after its
+    step-4 checkpoints. The re-run trains the two others on to the end, bit-identical to the
+    uninterrupted pack, and leaves the diverged run as it was."""
+    from tests.test_faults import HOOKED
+
+    args = ["train", *(o for o in PACK_RUN if not o.startswith("trainer.max_steps")), "trainer.max_steps=8",
+            "trainer.pack=3", "trainer.checkpoint_every=2", "trainer.checkpoint_unit=step"]
+    runs = {}
+    for name, hook in (("reference", "nan"), ("killed", "nan-then-sigkill:4")):
+        (tmp_path / name).mkdir()
+        done = subprocess.run([*HOOKED, hook, *args], cwd=tmp_path / name, capture_output=True, text=True)
+        assert done.returncode == (0 if name == "reference" else -signal.SIGKILL), done.stderr[-3000:]
+        runs[name] = sorted((tmp_path / name / "results" / "runs").iterdir(),
+                            key=lambda d: OmegaConf.load(d / "config.yaml").trainer.seed)
+    assert [read_summary(d)["status"] for d in runs["killed"][1:2]] == ["diverged"]
+    assert not any((d / "summary.json").exists() for d in runs["killed"][::2])  # killed before their summaries
+    frozen = (runs["killed"][1] / "summary.json").read_text()
+    monkeypatch.chdir(tmp_path / "killed")
+    code, out = run_cli(args, capsys)
+    assert code == 0, out
+    assert (runs["killed"][1] / "summary.json").read_text() == frozen
+    for reference, resumed in zip(runs["reference"][::2], runs["killed"][::2]):
+        assert read_summary(resumed)["resumed_from"].endswith("step-000000004.pt")
+        assert_same_run(reference, resumed)

@@ -6,11 +6,12 @@ import json
 import math
 from pathlib import Path
 
+import mpmath
 import pytest
 from omegaconf import OmegaConf
 
 from bnexp.errors import ConfigError
-from bnexp.report.layouts import Axis, Layout
+from bnexp.report.layouts import LABELS, Axis, Layout
 from bnexp.report.presets import load_preset
 from bnexp.report.results import load_summaries
 from bnexp.report.table import build, render
@@ -38,11 +39,11 @@ RUNS = [
 EXPECTED = """\
 Test table
 
-| Method          | AMAT   | Sigmoid                | Sigmoid paper   | Sigmoid Δ   | Tanh                 | Tanh paper   | Tanh Δ   | ReLU                      | ReLU paper   | ReLU Δ   |
-|:----------------|:-------|:-----------------------|:----------------|:------------|:---------------------|:-------------|:---------|:--------------------------|:-------------|:---------|
-| 1 BN (baseline) |        | 80.50 ± 0.71 (2)       | 78.97 ± 0.53    | +1.53       | 87.00 (1; 1 missing) | 87.59 ± 0.12 | -0.59    | 90.00 (1; 1 diverged)     | 91.13 ± 0.09 | -1.13    |
-| 2 CBN           | x      | 88.50 ± 0.71 (2) rho=2 | 91.20 ± 0.06    | -2.70       | – (0; 2 missing)     | 91.73 ± 0.07 |          | 91.00 (1; 1 failed) rho=1 | 91.98 ± 0.06 | -0.98    |
-| Improv.         |        | +8.00                  | +12.23          |             |                      | +4.14        |          | +1.00                     | +0.85        |          |
+| Method          | AMAT   | Sigmoid                | Sigmoid paper   | Sigmoid Δ   | Sigmoid test   | Tanh                 | Tanh paper   | Tanh Δ   | Tanh test   | ReLU                      | ReLU paper   | ReLU Δ   | ReLU test   |
+|:----------------|:-------|:-----------------------|:----------------|:------------|:---------------|:---------------------|:-------------|:---------|:------------|:--------------------------|:-------------|:---------|:------------|
+| 1 BN (baseline) |        | 80.50 ± 0.71 (2)       | 78.97 ± 0.53    | +1.53       | agree p=0.17   | 87.00 (1; 1 missing) | 87.59 ± 0.12 | -0.59    | missing     | 90.00 (1; 1 diverged)     | 91.13 ± 0.09 | -1.13    | missing     |
+| 2 CBN           | x      | 88.50 ± 0.71 (2) rho=2 | 91.20 ± 0.06    | -2.70       | agree p=0.12   | – (0; 2 missing)     | 91.73 ± 0.07 |          | missing     | 91.00 (1; 1 failed) rho=1 | 91.98 ± 0.06 | -0.98    | missing     |
+| Improv.         |        | +8.00                  | +12.23          |             |                |                      | +4.14        |          |             | +1.00                     | +0.85        |          |             |
 
 cell: mean ± std (completed runs; diverged, failed and missing runs); paper: the published value; Δ: ours minus paper
 """
@@ -71,9 +72,9 @@ def test_latex_and_csv(tmp_path: Path) -> None:
     assert csv[0].startswith("Method,AMAT,Sigmoid,Sigmoid paper") and len(csv) == 4
 
 
-def write_preset_runs(root: Path) -> None:
-    """RUNS as runs of CBN Table 1's sweeps: each summary holds the config its job composes."""
-    for i, (row, act, rho, seed, status, top1) in enumerate(RUNS):
+def write_preset_runs(root: Path, runs: list[tuple] = RUNS) -> None:
+    """``runs`` as runs of CBN Table 1's sweeps: each summary holds the config its job composes."""
+    for i, (row, act, rho, seed, status, top1) in enumerate(runs):
         job = [f"cbn_row=r{row}", f"act={act}", f"trainer.seed={seed}", *([f"norm.rho={rho}"] if row == 2 else [])]
         config = OmegaConf.to_container(compose_cfg(["experiment=cbn/table1", *job]), resolve=True)
         (root / f"run{i}").mkdir(parents=True)
@@ -93,6 +94,47 @@ def test_table_command_on_a_results_folder(tmp_path: Path, capsys: pytest.Captur
                     "6", "Improv.", "7", "Improv."]
     assert "– (0; 10 missing)" in out and "90.00 (1; 1 diverged, 8 missing)" in out
     assert run_cli(["table", "cbn/table9"], capsys)[0] == 2
+
+
+def welch_p(ours: list[float], mean: float, std: float, runs: int) -> float:
+    """Welch's two-sided p-value written out: the t statistic, Welch-Satterthwaite degrees of
+    freedom, and the Student t tail from mpmath's regularized incomplete beta function."""
+    n = len(ours)
+    m = mpmath.fsum(ours) / n
+    a, b = mpmath.fsum((v - m) ** 2 for v in ours) / (n - 1) / n, mpmath.mpf(std) ** 2 / runs
+    t = (m - mean) / mpmath.sqrt(a + b)
+    df = (a + b) ** 2 / (a**2 / (n - 1) + b**2 / (runs - 1))
+    return float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t**2), regularized=True))
+
+
+@pytest.mark.slow
+def test_table_tests_each_cell_against_the_published_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Made-up runs of CBN Table 1 (published: mean ± std of 10 trials per cell): the paper's
+    own mean agrees, a far-off cell differs, cells near the 0.05 boundary fall on the side
+    their p-value says, a cell with one run (or none) is missing, and the cell printed
+    without a std (CBN row 2, SELU) gets no verdict and no count."""
+    values = {"sigmoid": [78.47, 79.47],  # mean 78.97, the paper's: p = 1
+              "tanh": [85.0, 85.2],  # 2.5 below 87.59 ± 0.12
+              "relu": [91.28, 91.38, 91.48],  # 91.13 + 0.25, p about 0.03
+              "swish": [91.29, 91.39, 91.49],  # 91.24 + 0.15, p about 0.1
+              "selu": [89.69]}  # one run
+    runs = [(1, act, 1.0, seed, "completed", v) for act, vs in values.items() for seed, v in enumerate(vs)]
+    runs += [(2, "selu", 0.25, seed, "completed", 91.5 + 0.1 * seed) for seed in range(3)]
+    write_preset_runs(tmp_path, runs)
+    code, out = run_cli(["table", "cbn/table1", f"results={tmp_path}"], capsys)
+    assert code == 0, out
+    header, *lines = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")]
+    table = {line[0]: dict(zip(header, line)) for line in lines if line[0] != "Improv."}
+    paper = {"sigmoid": (78.97, 0.53), "tanh": (87.59, 0.12), "relu": (91.13, 0.09), "swish": (91.24, 0.11)}
+    for act, (mean, std) in paper.items():
+        p = welch_p(values[act], mean, std, 10)
+        assert table["1 BN (baseline)"][f"{LABELS[act]} test"] == f"{'agree' if p >= 0.05 else 'differ'} p={p:.2g}", act
+    assert [table["1 BN (baseline)"][f"{LABELS[a]} test"].split()[0] for a in paper] == ["agree", "differ", "differ",
+                                                                                          "agree"]
+    assert table["1 BN (baseline)"]["SELU test"] == "missing" and table["3"]["ReLU test"] == "missing"
+    assert table["2 CBN"]["SELU paper"] == "91.57" and table["2 CBN"]["SELU test"] == ""
+    assert out.rstrip().splitlines()[-1] == ("Welch test at level 0.05 over the cells with a published mean ± std: "
+                                             "2 agree, 2 differ, 30 missing")
 
 
 def write_lr_run(root: Path, lr: float, first_epoch_loss: float, probe_losses: tuple[float, ...] | None,

@@ -31,7 +31,7 @@ BASELINE = "bn/eager"
 # bench name -> its layer in bnexp.norms.NORM_LAYERS, built by create_norm as models build it;
 # "bn" is torch's own BatchNorm2d, "family" bnexp's NormFamily2d at BN's flags
 NORMS: dict[str, str] = {"bn": "batchnorm", "family": "norm_family", "popnorm": "popnorm", "cbn": "cbn",
-                         "brn": "batch_renorm", "bn_si": "bn_si"}
+                         "brn": "batch_renorm", "bn_si": "bn_si", "bn_4things": "four_things"}
 
 
 def make_norm(name: str, channels: int, device: torch.device) -> nn.Module:

@@ -30,7 +30,7 @@ MODELS: dict[str, tuple[DataSpec, int]] = {
     "vgg16": (DataSpec(10, 3, 32), 128),
     "resnet50": (DataSpec(1000, 3, 224), 32),
 }
-NORMS = ("bn", "popnorm", "cbn", "brn", "bn_si", "gn", "none", "bnp")
+NORMS = ("bn", "popnorm", "cbn", "brn", "bn_si", "bn_4things", "gn", "none", "bnp")
 BASELINES = {"bnp": "none"}  # every other norm is compared with bn
 DEFAULTS: dict[str, Any] = {**COMMON, "modes": MODES, "number": 5, "models": tuple(MODELS), "norms": NORMS,
                             "batch": 0, "image_size": 0, "out": "results/bench/step.json"}

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from torch.utils.data import Dataset
 
 from bnexp.data.arrays import ArrayData, torch_datasets
-from bnexp.data.cifar import load_cifar
+from bnexp.data.cifar import cifar_files, load_cifar
 from bnexp.data.digits import load_digits
+from bnexp.data.files import DataFile, identify
 from bnexp.data.imagenet import load_imagenet
-from bnexp.data.mnist import load_mnist
+from bnexp.data.mnist import load_mnist, mnist_files
 from bnexp.data.npz import load_npz
 from bnexp.data.synthetic import make_synthetic
 from bnexp.models import DataSpec
@@ -59,3 +61,23 @@ def _imagenet(cfg: Mapping[str, Any]) -> DataBundle:
 def build_data(cfg: Mapping[str, Any]) -> DataBundle:
     """Load ``data.name`` (from disk, downloaded when possible, or made in memory)."""
     return DATASETS.get(cfg["name"])(cfg)
+
+
+def data_files(cfg: Mapping[str, Any]) -> tuple[DataFile, ...]:
+    """The files a data set is read from: CIFAR's batches, MNIST's idx files, the npz file.
+    None for data made in memory or shipped with a package (synthetic, digits), nor for an
+    image folder tree (ImageNet's million files are too many to hash at every re-run)."""
+    name = cfg["name"]
+    if name in ("cifar10", "cifar100"):
+        return cifar_files(cfg).files
+    if name == "mnist":
+        return mnist_files(cfg).files
+    if name == "npz" and cfg.get("path"):
+        return (DataFile(Path(str(cfg["path"])).expanduser()),)
+    return ()
+
+
+def data_identity(cfg: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """What identifies the content of a data set's files (:func:`bnexp.data.files.identify`),
+    once it has been loaded (and so, with ``data.verify``, checked against its release)."""
+    return identify(data_files(cfg), verified=bool(cfg.get("verify", True)))

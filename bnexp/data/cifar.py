@@ -33,6 +33,12 @@ def _files(cls: type[CIFAR10], root: Path, label: str) -> DataFiles:
     return DataFiles(label, folder, holds, tuple(files))
 
 
+def cifar_files(cfg: Mapping[str, Any]) -> DataFiles:
+    """The files of ``data=cifar10`` or ``cifar100`` under ``data.root``."""
+    cls, label = (CIFAR10, "CIFAR-10") if cfg["name"] == "cifar10" else (CIFAR100, "CIFAR-100")
+    return _files(cls, Path(str(cfg["root"])).expanduser(), label)
+
+
 def _unpickle(path: Path) -> object:
     with open(path, "rb") as f:
         return pickle.load(f, encoding="latin1")
@@ -72,7 +78,7 @@ def load_cifar(cfg: Mapping[str, Any]) -> ArrayData:
     cls, label = (CIFAR10, "CIFAR-10") if cifar10 else (CIFAR100, "CIFAR-100")
     labels_key, num_classes = ("labels", 10) if cifar10 else ("fine_labels", 100)
     root = Path(str(cfg["root"])).expanduser()
-    files = _files(cls, root, label)
+    files = cifar_files(cfg)
     # A release archive already in data.root is extracted even with downloading off.
     allowed = bool(cfg.get("download", True)) or (root / cls.filename).is_file()
     ensure_present(files, lambda: cls(str(root), train=True, download=True), allowed)

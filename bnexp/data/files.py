@@ -7,9 +7,11 @@ the data); a bad file means :class:`DataError` naming that file and what is wron
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional, TypeVar
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, TypeVar
 
 import torch
 from torchvision.datasets.utils import check_integrity
@@ -94,3 +96,51 @@ def check_labels(labels: torch.Tensor, where: str, num_classes: Optional[int], s
         raise DataError(f"{where} holds the label {low}; expected class labels from 0")
     if num_classes is not None and high >= num_classes:
         raise DataError(f"{where} holds the label {high} but {source}; expected labels 0..{num_classes - 1}")
+
+
+@functools.lru_cache(maxsize=256)
+def file_digest(path: str, size: int, mtime_ns: int, algorithm: str) -> str:
+    """The hex digest of a file's bytes; cached per (path, size, modification time), so a
+    sweep's cells that read one file hash it once."""
+    digest = hashlib.new(algorithm)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def identify(files: Iterable[DataFile], verified: bool) -> dict[str, dict[str, Any]]:
+    """What identifies the content of each present file, by path: its size, modification time
+    and digest: the official md5 where ``verified`` (checked against the release already),
+    else its sha256."""
+    found = {}
+    for file in files:
+        if not file.path.is_file():
+            continue
+        stat = file.path.stat()
+        algorithm, digest = ("md5", file.md5) if verified and file.md5 else ("sha256", None)
+        found[str(file.path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                                 algorithm: digest or file_digest(str(file.path), stat.st_size, stat.st_mtime_ns,
+                                                                  algorithm)}
+    return found
+
+
+def changed_files(recorded: Mapping[str, Mapping[str, Any]] | None) -> list[str]:
+    """The files of an identity :func:`identify` recorded whose content differs now, each as
+    ``path: <size and digest> there, <now> here``. A file with its recorded size and
+    modification time is taken as unchanged (not hashed again); a file now missing is not
+    compared (reading it would fail)."""
+    changes = []
+    for name, there in (recorded or {}).items():
+        path = Path(name)
+        if not path.is_file():
+            continue
+        stat = path.stat()
+        if (stat.st_size, stat.st_mtime_ns) == (there.get("size"), there.get("mtime_ns")):
+            continue
+        algorithm = "md5" if "md5" in there else "sha256"
+        digest = file_digest(name, stat.st_size, stat.st_mtime_ns, algorithm)
+        if (stat.st_size, digest) != (there.get("size"), there.get(algorithm)):
+            changes.append(f"data file {name}: {there.get('size')} bytes, {algorithm} {str(there.get(algorithm))[:12]}"
+                           f"... there; {stat.st_size} bytes, {algorithm} {digest[:12]}... here")
+    return changes

@@ -48,6 +48,11 @@ def _files(root: Path) -> DataFiles:
     return DataFiles("MNIST", folder, holds, tuple(DataFile(folder / n, size=OFFICIAL_SIZES[n]) for n in names))
 
 
+def mnist_files(cfg: Mapping[str, Any]) -> DataFiles:
+    """The files of ``data=mnist`` under ``data.root``."""
+    return _files(Path(str(cfg["root"])).expanduser())
+
+
 def read_idx(path: Path, ndim: int) -> torch.Tensor:
     """The uint8 array in an idx-ubyte file of ``ndim`` dimensions, if its size matches its header."""
     raw = read_file(path, Path.read_bytes)
@@ -83,7 +88,7 @@ def _split(folder: Path, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
 def load_mnist(cfg: Mapping[str, Any]) -> ArrayData:
     """MNIST from ``data.root`` (downloaded there when ``data.download``)."""
     root = Path(str(cfg["root"])).expanduser()
-    files = _files(root)
+    files = mnist_files(cfg)
     ensure_present(files, lambda: MNIST(str(root), train=True, download=True), bool(cfg.get("download", True)))
     if cfg.get("verify", True):
         verify_release(files)

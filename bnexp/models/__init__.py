@@ -11,7 +11,7 @@ from torch import nn
 from bnexp.errors import ConfigError
 from bnexp.models.bnp_nets import CNN5, MLP
 from bnexp.models.efficientnet import EfficientNet
-from bnexp.models.layers import LayerBuilder
+from bnexp.models.layers import LayerBuilder, scale_init
 from bnexp.models.preact_resnet import PreActResNet
 from bnexp.models.resnet_cifar import CifarResNet
 from bnexp.models.resnet_imagenet import RESNET_DEPTHS, ImageNetResNet
@@ -99,16 +99,21 @@ def _cnn5(b: LayerBuilder, data: DataSpec, cfg: Mapping[str, Any]) -> nn.Module:
 
 
 def build_model(model_cfg: Mapping[str, Any], norm_cfg: Mapping[str, Any], act: str, data: DataSpec) -> nn.Module:
-    """Build ``model_cfg.name`` with the given normalization preset and activation."""
+    """Build ``model_cfg.name`` with the given normalization preset and activation, its
+    conv and linear weights initialized as the model does, times ``model.init_scale``."""
     spec = build_norm_spec(norm_cfg)
     build = MODELS.get(model_cfg["name"])
     try:
-        return build(LayerBuilder(spec, act), data, model_cfg)
+        model = build(LayerBuilder(spec, act), data, model_cfg)
     except ChannelsError as err:
         valid = fitting_groups(lambda s: build(LayerBuilder(s, act), data, model_cfg), spec)
         raise ConfigError(f"norm.{err} of model={model_cfg['name']}: norm.groups must divide the channels of every "
                           f"normalized layer (the input images excepted); valid here: {', '.join(map(str, valid))}"
                           ) from None
+    scale = model_cfg.get("init_scale")
+    if scale not in (None, 1.0):  # null: the model's own initialization, as 1
+        scale_init(model, scale)
+    return model
 
 
 @dataclass(frozen=True)

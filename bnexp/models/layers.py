@@ -5,8 +5,11 @@ METHODS.md section 1. With ``after_op`` a normalized op computes ``N(op(x))``; w
 Models never test the placement themselves: they build :class:`NormOp` units through a
 :class:`LayerBuilder`, their final Linear through :meth:`LayerBuilder.classifier`, and join
 residual branches with :class:`ResidualJoin`. Two settings shape ``before_op`` networks:
-``norm.join`` (where a shortcut joins) and ``norm.classifier`` (a normalization in front of
-the final Linear); ``after_op`` networks ignore both.
+``norm.join`` (where a shortcut joins), ``norm.classifier`` (a normalization in front of
+the final Linear) and ``norm.input`` (a normalization of the network's input in front of
+the stem; false leaves the input as it comes: with ``classifier`` on, every layer is then
+``op -> act -> N``, the BNP paper's "post-activation" nets); ``after_op`` networks ignore
+all three.
 
 A projection shortcut in ``before_op`` reads its block's first normalized input instead of
 owning a normalization: the set of normalized ops (:func:`normalized_ops`) is the same in
@@ -91,7 +94,7 @@ class LayerBuilder:
 
     def _wrap(self, op: nn.Module, cin: int, cout: int, dim: int, normalize: bool, share_input_norm: bool,
               image_input: bool = False) -> NormOp:
-        before = normalize and self.placement == BEFORE_OP
+        before = normalize and self.placement == BEFORE_OP and (self.norm.input or not image_input)
         after = normalize and self.placement == AFTER_OP
         pre = self._unbound(self.norm.make(cin, dim, image_input)) if before and not share_input_norm else nn.Identity()
         post = self.norm.make(cout, dim) if after else nn.Identity()
@@ -127,7 +130,8 @@ class LayerBuilder:
         normalized (a projection shortcut reads its block's first normalized input).
         ``padding``: ``None`` pads to keep the size ("same"); 0 is "valid".
         ``image_input``: the op reads the input images (a stem), whose few channels a
-        ``before_op`` group normalization splits into ``gcd(groups, channels)`` groups.
+        ``before_op`` group normalization splits into ``gcd(groups, channels)`` groups, and
+        which ``norm.input=false`` leaves unnormalized.
         """
         bias = self.norm.op_bias or not normalize
         pad = kernel_size // 2 if padding is None else padding
@@ -190,6 +194,15 @@ def init_ops(
             init_weight(m.weight)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
+
+
+def scale_init(model: nn.Module, factor: float) -> None:
+    """Multiply the initial weight of every conv and linear layer by ``factor``
+    (``model.init_scale``: BNP+GN's "He-Normal weight initialization scaled by 0.1")."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                m.weight.mul_(factor)
 
 
 def he_normal_init(model: nn.Module) -> None:

@@ -3,7 +3,8 @@
 Run ``k`` owns the ``k``-th of K equal blocks of channels in every activation: the input
 images of the K runs are concatenated along the channels, every convolution is grouped by
 run, every Linear becomes a :class:`bnexp.nn.packed.PackedLinear`, and the per-channel
-normalizations (BN, the CBN/POP-Norm family with AMAT, batch renorm, bn_si) simply have K
+normalizations (BN, the CBN/POP-Norm family with AMAT, batch renorm, bn_si, BN with 4
+things, whose channel groups keep their size and so stay inside one run) simply have K
 times the channels. Group and layer normalization get K times the groups. Nothing mixes
 two runs' values, so run ``k`` of a pack computes what the same model alone computes.
 

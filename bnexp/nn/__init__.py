@@ -1,5 +1,5 @@
 """Normalization methods as plain torch modules: the BN/POP-Norm/CBN family (with AMAT),
-batch renormalization, scale-invariant BN and BNP gradient preconditioning.
+batch renormalization, BN with 4 things, scale-invariant BN and BNP gradient preconditioning.
 
 METHODS.md sections 2-5 define them; ``docs/methods/`` explains each with an example.
 """
@@ -16,6 +16,7 @@ from bnexp.nn.family import (
     POPNorm2d,
     set_learning_rate,
 )
+from bnexp.nn.four_things import FourThingsBN, FourThingsBN1d, FourThingsBN2d
 from bnexp.nn.renorm import BatchRenorm, BatchRenorm1d, BatchRenorm2d
 from bnexp.nn.scale_invariant import ScaleInvariantBN, ScaleInvariantBN1d, ScaleInvariantBN2d, is_scale_invariant
 
@@ -28,6 +29,9 @@ __all__ = [
     "BatchRenorm2d",
     "CBN1d",
     "CBN2d",
+    "FourThingsBN",
+    "FourThingsBN1d",
+    "FourThingsBN2d",
     "NormFamily",
     "NormFamily1d",
     "NormFamily2d",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -17,31 +18,42 @@ class BatchRenorm(ChannelNorm):
     r_max)`` and ``d = clip((mu_B - mu) / sigma, -d_max, d_max)`` are constants for autograd;
     ``mu`` (``running_mean``) and ``sigma`` (``running_std``) are moving averages of
     ``mu_B`` and ``sigma_B`` with ``momentum``, and eval computes ``gamma * (x - mu) / sigma +
-    beta``. With ``ramp_steps`` the clipping limits grow linearly from ``r_max = 1, d_max = 0``
-    at step 0 to the given values at step ``ramp_steps`` (the trainer passes the run's
-    length); ``ramp_steps=None`` uses the given limits from the start.
+    beta``.
+
+    The limits follow Ioffe (2017)'s schedule, in training steps: ``r_max = 1, d_max = 0``
+    (plain BN) up to step ``relax_start``, then linearly to the given ``r_max`` at step
+    ``r_max_step`` and the given ``d_max`` at step ``d_max_step``, constant after (the
+    paper's 5,000, 40,000 and 25,000 steps for 3 and 5). ``r_max=None`` / ``d_max=None``:
+    that ratio is never clipped (TensorFlow's default ``renorm_clipping=None``).
     """
 
     def __init__(
         self,
         num_features: int,
-        r_max: float = 3.0,
-        d_max: float = 5.0,
+        r_max: Optional[float] = 3.0,
+        d_max: Optional[float] = 5.0,
         momentum: float = 0.01,
         eps: float = 1e-5,
-        ramp_steps: Optional[int] = None,
+        relax_start: int = 5000,
+        r_max_step: int = 40000,
+        d_max_step: int = 25000,
         sync: bool = False,
     ) -> None:
         super().__init__(num_features, eps, sync)
-        if r_max < 1 or d_max < 0:
-            raise ValueError(f"need r_max >= 1 and d_max >= 0, got r_max={r_max}, d_max={d_max}")
-        if ramp_steps is not None and ramp_steps < 1:
-            raise ValueError(f"ramp_steps must be a positive step count or None, got {ramp_steps}")
+        if (r_max is not None and r_max < 1) or (d_max is not None and d_max < 0):
+            raise ValueError(f"need r_max >= 1 and d_max >= 0 (or null: no clipping), got r_max={r_max}, "
+                             f"d_max={d_max}")
+        for name, step in (("relax_start", relax_start), ("r_max_step", r_max_step), ("d_max_step", d_max_step)):
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ValueError(f"{name} must be a step count >= 0, got {step!r}")
+        if min(r_max_step, d_max_step) < relax_start:
+            raise ValueError(f"r_max_step={r_max_step} and d_max_step={d_max_step} must not come before "
+                             f"relax_start={relax_start}")
         check_fraction("momentum", momentum)
-        self.r_max = float(r_max)
-        self.d_max = float(d_max)
+        self.r_max = None if r_max is None else float(r_max)
+        self.d_max = None if d_max is None else float(d_max)
         self.momentum = momentum
-        self.ramp_steps = ramp_steps
+        self.relax_start, self.r_max_step, self.d_max_step = relax_start, r_max_step, d_max_step
         self.register_buffer("running_mean", torch.zeros(num_features))
         self.register_buffer("running_std", torch.ones(num_features))
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
@@ -49,15 +61,22 @@ class BatchRenorm(ChannelNorm):
     def extra_repr(self) -> str:
         return (
             f"{self.num_features}, r_max={self.r_max}, d_max={self.d_max}, momentum={self.momentum}, "
-            f"eps={self.eps}, ramp_steps={self.ramp_steps}"
+            f"eps={self.eps}, relax_start={self.relax_start}, r_max_step={self.r_max_step}, "
+            f"d_max_step={self.d_max_step}"
         )
 
+    def _relaxed(self, end: int) -> Tensor:
+        """How far the coming step is from ``relax_start`` (0) to ``end`` (1), clamped."""
+        step = self.num_batches_tracked.to(self.running_std.dtype)
+        if end == self.relax_start:
+            return (step >= end).to(step.dtype)
+        return ((step - self.relax_start) / (end - self.relax_start)).clamp(0.0, 1.0)
+
     def limits(self) -> tuple[Union[float, Tensor], Union[float, Tensor]]:
-        """The clipping limits ``(r_max, d_max)`` of the coming training step."""
-        if self.ramp_steps is None:
-            return self.r_max, self.d_max
-        done = (self.num_batches_tracked / self.ramp_steps).clamp(max=1.0).to(self.running_std.dtype)
-        return 1.0 + (self.r_max - 1.0) * done, self.d_max * done
+        """The clipping limits ``(r_max, d_max)`` of the coming training step (inf: unclipped)."""
+        r_max = math.inf if self.r_max is None else 1.0 + (self.r_max - 1.0) * self._relaxed(self.r_max_step)
+        d_max = math.inf if self.d_max is None else self.d_max * self._relaxed(self.d_max_step)
+        return r_max, d_max
 
     def forward(self, x: Tensor) -> Tensor:
         self.check_input(x)
@@ -70,7 +89,7 @@ class BatchRenorm(ChannelNorm):
         sigma = (var + self.eps).sqrt()
         with torch.no_grad():
             r_max, d_max = self.limits()
-            r = torch.clamp(sigma / self.running_std, 1.0 / r_max, r_max)
+            r = torch.clamp(sigma / self.running_std, 1.0 / r_max, r_max)  # 1 / inf = 0
             d = torch.clamp((mean - self.running_mean) / self.running_std, -d_max, d_max)
             # Replaced, not updated in place: r and d come from the old values, and under
             # torch.compile an in-place write lets the backward recompute them from the new ones.

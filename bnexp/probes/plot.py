@@ -6,6 +6,7 @@ results folder that has a probes.csv (the entry point for ``bnexp plot``).
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -15,17 +16,25 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from bnexp.commands import print_warning
+from bnexp.errors import unknown_choice
 from bnexp.probes.callback import ALL, PROBES_FILE, read_probes
 from bnexp.probes.eta_tau import QUANTILES, quantity_name
+from bnexp.runinfo import atomic_write
 
 
 def run_labels(run_dirs: Sequence[Path]) -> list[str]:
     """Each run's path relative to the runs' common parent (its own name when alone)."""
     paths = [Path(d).resolve() for d in run_dirs]
     if len(paths) == 1:
-        return [paths[0].name]
+        return [literal(paths[0].name)]
     common = Path(*[parts[0] for parts in zip(*(p.parts for p in paths)) if len(set(parts)) == 1])
-    return [str(p.relative_to(common)) for p in paths]
+    return [literal(str(p.relative_to(common))) for p in paths]
+
+
+def literal(text: str) -> str:
+    """``text`` as matplotlib prints it (a ``$`` pair would start math, which may not parse)."""
+    return text.replace("$", r"\$")
 
 
 def slug(text: str) -> str:
@@ -40,8 +49,9 @@ def series(frame: pd.DataFrame, quantity: str, layer: str = ALL) -> Iterator[tup
 
 
 def save(fig: Figure, path: Path) -> list[Path]:
+    """Write the figure as a PNG, whole or not at all."""
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(path, functools.partial(fig.savefig, format="png", dpi=120))
     return [path]
 
 
@@ -143,6 +153,7 @@ def draw_eta_tau(frame: pd.DataFrame, out_dir: Path) -> list[Path]:
     return paths
 
 
+Reader = Callable[[Path], pd.DataFrame]  # a run directory -> its probes.csv rows
 DRAWERS: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {
     "grad_norm": line_plot("norm", "||g||", "stochastic gradient norm", log=True),
     "grad_var": line_plot("variance", "mean ||g_i - mean g||^2", "stochastic gradient variance", log=True),
@@ -154,11 +165,13 @@ DRAWERS: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {
 }
 
 
-def plot_probes(run_dirs: Sequence[Path], out_dir: Path) -> list[Path]:
-    """One figure per probe found in the runs' probes.csv files, in ``out_dir``; the paths."""
+def plot_probes(run_dirs: Sequence[Path], out_dir: Path, read: Reader = read_probes) -> list[Path]:
+    """One figure per probe found in the runs' probes.csv files (as ``read`` gives them: ``bnexp
+    plot`` passes a reader that warns about an unusable file instead of failing), in ``out_dir``;
+    the paths."""
     if not run_dirs:
         return []
-    frames = [read_probes(d).assign(run=label) for d, label in zip(run_dirs, run_labels(run_dirs))]
+    frames = [drawable(d, read).assign(run=label) for d, label in zip(run_dirs, run_labels(run_dirs))]
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: list[Path] = []
     for probe, rows in pd.concat(frames, ignore_index=True).groupby("probe", sort=False):
@@ -166,6 +179,17 @@ def plot_probes(run_dirs: Sequence[Path], out_dir: Path) -> list[Path]:
     return paths
 
 
-def plot_results(results: Path, out_dir: Path) -> list[Path]:
+def drawable(run_dir: Path, read: Reader) -> pd.DataFrame:
+    """A run's probes.csv rows (``read(run_dir)``) of the probes there is a figure for; rows of
+    a probe bnexp does not know are named in a warning and left out."""
+    frame = read(run_dir)
+    unknown = sorted(set(frame["probe"].astype(str)) - DRAWERS.keys())
+    if unknown:
+        print_warning(f"{Path(run_dir) / PROBES_FILE}: {unknown_choice('probe', unknown[0], DRAWERS)}; "
+                      f"its rows of {', '.join(map(repr, unknown))} are left out")
+    return frame[frame["probe"].astype(str).isin(DRAWERS.keys())]
+
+
+def plot_results(results: Path, out_dir: Path, read: Reader = read_probes) -> list[Path]:
     """:func:`plot_probes` over every run under ``results`` that has a probes.csv."""
-    return plot_probes(sorted(p.parent for p in Path(results).rglob(PROBES_FILE)), out_dir)
+    return plot_probes(sorted(p.parent for p in Path(results).rglob(PROBES_FILE)), out_dir, read)

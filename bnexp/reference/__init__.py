@@ -21,11 +21,12 @@ def _text(name: str) -> str:
 
 @lru_cache(maxsize=None)
 def published() -> pd.DataFrame:
-    """published_results.csv: one row per cell, all text but ``mean``/``std`` (NaN if blank)."""
+    """published_results.csv: one row per cell, all text but ``mean``/``std`` and ``runs``
+    (the paper's trials per cell), NaN where blank."""
     import pandas as pd
 
     frame = pd.read_csv(io.StringIO(_text("published_results.csv")), dtype=str, keep_default_na=False)
-    for col in ("mean", "std"):
+    for col in ("mean", "std", "runs"):
         frame[col] = pd.to_numeric(frame[col].replace("", None))
     return frame
 

@@ -21,6 +21,7 @@ LABELS = {
     "resnet20": "ResNet-20", "vgg16": "VGG-16", "resnet18": "ResNet-18", "resnet50": "ResNet-50",
     "efficientnet_b0": "EfficientNet-B0", "bn": "BN", "cbn": "CBN", "popnorm": "POP-Norm",
     "bnp": "BNP", "brn": "BN renorm", "ln": "LN", "gn": "GN", "bnp_gn": "BNP+GN",
+    "bn_4things": "BN w/ 4 things",
     "mean_removal": "mean removal", "l2_division": "l2 division", "mean_only": "mean removal only",
     "division_only": "division only", "amat": "AMAT", "fixed_eta": "fixed eta 0.9", "no_amat": "no AMAT",
     "resnet110": "ResNet-110", "preact_resnet110": "pre-act ResNet-110", "mlp2x100": "2x100 MLP",

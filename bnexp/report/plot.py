@@ -9,6 +9,7 @@ line per table row (a method; a tuned row at its winning value), one panel row p
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -18,20 +19,28 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from bnexp.commands import exit_on_error  # noqa: E402
+from bnexp.commands import exit_on_error, output_errors  # noqa: E402
 from bnexp.errors import ConfigError  # noqa: E402
+from bnexp.probes.plot import literal, plot_results  # noqa: E402
 from bnexp.report.layouts import Layout, same  # noqa: E402
 from bnexp.report.presets import Preset, load_preset, parse_command, sweep_folder  # noqa: E402
-from bnexp.report.results import load_metrics, load_summaries  # noqa: E402
-from bnexp.report.table import choose, combos, preset_runs, select, varying  # noqa: E402
+from bnexp.report.results import load_metrics, load_probes, load_summaries  # noqa: E402
+from bnexp.report.table import OUT_ELSEWHERE, choose, combos, preset_runs, select, varying  # noqa: E402
+from bnexp.runinfo import atomic_write  # noqa: E402
 
 METRIC_NAMES = {"train_loss": "training loss", "test_loss": "test loss", "test_acc": "test top-1 (%)",
                 "train_acc": "training top-1 (%)", "test_top5": "test top-5 (%)"}
 
 
-def band(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """Mean, min and max of ``metric`` over the runs' metrics.csv, indexed by epoch."""
-    series = [m.set_index("epoch")[metric] for m in map(load_metrics, runs["run_dir"]) if metric in m]
+def curves(runs: pd.DataFrame) -> list[pd.DataFrame]:
+    """The runs' metrics.csv files (each read once: an unusable one is named once)."""
+    return [load_metrics(run) for run in runs["run_dir"]]
+
+
+def band(metrics: Sequence[pd.DataFrame], metric: str) -> pd.DataFrame:
+    """Mean, min and max of ``metric`` over the runs' metrics.csv (:func:`curves`), indexed by
+    epoch (an epoch listed twice in one file: its last row)."""
+    series = [m.drop_duplicates("epoch", keep="last").set_index("epoch")[metric] for m in metrics if metric in m]
     if not series:
         return pd.DataFrame(columns=["mean", "min", "max"])
     joined = pd.concat(series, axis=1)
@@ -62,8 +71,9 @@ def draw(layout: Layout, frame: pd.DataFrame, metrics: Sequence[str], rows: Sequ
                 continue
             runs, suffix = line_runs(frame, layout, keys)
             label = " ".join(a.label(row[a.key]) for a in layout.rows) + suffix
+            files = curves(runs)
             for i, metric in enumerate(metrics):
-                curve = band(runs, metric)
+                curve = band(files, metric)
                 if curve.empty:
                     continue
                 (drawn,) = axes[i][j].plot(curve.index, curve["mean"], label=label, linewidth=1.2)
@@ -87,9 +97,10 @@ def draw_sweep(frame: pd.DataFrame, metrics: Sequence[str], title: str) -> plt.F
     groups = frame.groupby(columns, dropna=False, sort=True) if columns else [((), frame)]
     for values, runs in groups:
         values = values if isinstance(values, tuple) else (values,)
-        label = " ".join(f"{k}={v}" for k, v in zip(keys, values)) or "all runs"
+        label = literal(" ".join(f"{k}={v}" for k, v in zip(keys, values))) or "all runs"
+        files = curves(runs)
         for ax, metric in zip(axes[0], metrics):
-            curve = band(runs, metric)
+            curve = band(files, metric)
             if not curve.empty:
                 (drawn,) = ax.plot(curve.index, curve["mean"], label=label, linewidth=1.2)
                 ax.fill_between(curve.index, curve["min"], curve["max"], color=drawn.get_color(), alpha=0.2)
@@ -97,18 +108,22 @@ def draw_sweep(frame: pd.DataFrame, metrics: Sequence[str], title: str) -> plt.F
         ax.set_xlabel("epoch")
         ax.set_ylabel(METRIC_NAMES.get(metric, metric))
         ax.legend(fontsize=6) if ax.lines else None
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(literal(title), fontsize=9)
     fig.tight_layout()
     return fig
 
 
 def save(fig: plt.Figure, out: Path, stem: str) -> list[Path]:
-    """Write the figure as PNG and PDF under ``out``; return the paths."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Write the figure as PNG and PDF under ``out`` (each whole or not at all); return the
+    paths. A folder that cannot be written is one line naming it."""
     paths = [out / f"{stem}.{ext}" for ext in ("png", "pdf")]
-    for path in paths:
-        fig.savefig(path, dpi=150)
-    plt.close(fig)
+    try:
+        with output_errors(f"cannot write {out}", OUT_ELSEWHERE):
+            out.mkdir(parents=True, exist_ok=True)
+            for path in paths:
+                atomic_write(path, functools.partial(fig.savefig, format=path.suffix[1:], dpi=150))
+    finally:
+        plt.close(fig)
     return paths
 
 
@@ -138,8 +153,6 @@ SWEEP_OPTIONS = {"out": "", "metrics": "train_loss,test_acc"}
 
 def plot_for(args: list[str]) -> None:
     """Draw what the command line asks for and print the files written."""
-    from bnexp.probes.plot import plot_results  # the runs' probes.csv figures, if any
-
     folder = sweep_folder(args, SWEEP_OPTIONS)
     if folder:
         results, opts = folder
@@ -155,5 +168,7 @@ def plot_for(args: list[str]) -> None:
         results = Path(opts["results"] or p.results_dir)
         out = Path(opts["out"] or results / "plots")
         paths = plot(p, results, out, opts["metrics"].split(","), [v for v in opts["rows"].split(",") if v])
-    for path in [*paths, *plot_results(results, out)]:
+    with output_errors(f"cannot write {out}", OUT_ELSEWHERE):
+        paths += plot_results(results, out, load_probes)
+    for path in paths:
         print(path)

@@ -1,62 +1,149 @@
 """Run outputs into pandas: one row per summary.json, one frame per metrics.csv, the time
-probe's seconds per epoch."""
+probe's seconds per epoch.
+
+Results folders come from other people. A run's file that cannot be used (not the JSON,
+YAML or CSV it should be, a value of the wrong type, nesting too deep to parse) is named
+in one warning line on stderr, and the command goes on without it: a run whose
+summary.json is unusable counts as failed (as a half-written one does); a run whose
+``.hydra/overrides.yaml`` is unusable is left out, as it cannot be placed in a cell; an
+unusable metrics.csv or probes.csv leaves out that run's curves or probe values.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import re
+import reprlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
 
 import pandas as pd
 import yaml
 
+from bnexp.commands import print_warning
+from bnexp.errors import DataError
 from bnexp.identity import fingerprint, flatten, result_config
-from bnexp.probes.callback import read_probes
+from bnexp.probes.callback import COLUMNS, PROBES_FILE, read_probes
+
+# The summary fields that tables and plots compute with: a number or null in any summary.
+NUMERIC_FIELDS = re.compile(r"(final|best)_\w+|steps_per_epoch|num_classes|wall_seconds|epochs|steps|params")
+
+
+def parsed(path: Path, parse: Callable[[Path], Any], errors: tuple[type[Exception], ...] = (OSError, ValueError)) -> Any:
+    """``parse(path)``; a DataError naming the file when it cannot be read or parsed
+    (``errors``), or nests deeper than the parser can follow (Python's recursion limit)."""
+    try:
+        return parse(path)
+    except RecursionError:
+        raise DataError(f"{path}: nested too deeply to parse") from None
+    except errors as err:
+        raise DataError(f"{path}: unreadable ({' '.join(str(err).split())})") from None
 
 
 def run_overrides(run_dir: Path) -> dict[str, str]:
-    """The overrides Hydra recorded for a sweep's job (``.hydra/overrides.yaml``), by key."""
+    """The overrides Hydra recorded for a sweep's job (``.hydra/overrides.yaml``), by key; a
+    DataError naming the file when it is not a YAML list of strings."""
     path = run_dir / ".hydra" / "overrides.yaml"
-    lines = yaml.safe_load(path.read_text()) if path.is_file() else None
-    return dict(line.split("=", 1) for line in lines or [] if "=" in line)
+    if not path.is_file():
+        return {}
+    lines = parsed(path, lambda p: yaml.safe_load(p.read_text()), (OSError, ValueError, yaml.YAMLError)) or []
+    if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
+        raise DataError(f"{path}: expected a list of key=value lines, got {reprlib.repr(lines)}")
+    return dict(line.split("=", 1) for line in lines if "=" in line)
 
 
-def summary_row(path: Path) -> dict[str, Any]:
+def read_summary(path: Path) -> dict[str, Any]:
+    """A summary.json; a DataError naming it unless it is a JSON object whose ``config`` is
+    an object and whose :data:`NUMERIC_FIELDS` are numbers or null."""
+    summary = parsed(path, lambda p: json.loads(p.read_text()))
+    if not isinstance(summary, dict):
+        raise DataError(f"{path}: expected a JSON object, got a {type(summary).__name__}")
+    if not isinstance(summary.get("config", {}), dict):
+        raise DataError(f"{path}: 'config' is a {type(summary['config']).__name__}, not an object")
+    for key, value in summary.items():
+        if NUMERIC_FIELDS.fullmatch(key) and value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise DataError(f"{path}: {key} is {reprlib.repr(value)}, not a number")
+    return summary
+
+
+def summary_row(path: Path) -> Optional[dict[str, Any]]:
     """One run: status, metrics, the config flattened to dotted keys (``act.name``), the
     job's overrides as ``overrides.<key>`` (``overrides.cbn_row``: the values its sweep gave),
-    and its identity: ``fingerprint`` and ``result_config`` (:mod:`bnexp.identity`)."""
-    row: dict[str, Any] = {f"overrides.{key}": value for key, value in run_overrides(path.parent).items()}
-    row["run_dir"] = str(path.parent)
+    and its identity: ``fingerprint`` and ``result_config`` (:mod:`bnexp.identity`). A run
+    whose summary cannot be used counts as failed; one whose overrides cannot is None (left
+    out); a warning names the file either way."""
     try:
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError) as err:  # a half-written or corrupt file counts as failed
-        return {**row, "status": "failed", "error": f"unreadable summary: {err}", "fingerprint": None,
-                "result_config": {}}
-    config = summary.pop("config", {})
-    row.update(flatten(config))
-    row.update({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
-    row["result_config"] = result_config(config)
-    row["fingerprint"] = fingerprint(row["result_config"])
-    return row
+        overrides = {f"overrides.{key}": value for key, value in run_overrides(path.parent).items()}
+    except DataError as err:
+        print_warning(f"{err}; the run is left out")
+        return None
+    where = {**overrides, "run_dir": str(path.parent)}
+    try:
+        summary = read_summary(path)
+        config = summary.pop("config", {})
+        row = {**flatten(config), **{k: v for k, v in summary.items() if not isinstance(v, (dict, list))}}
+        identity = {"result_config": result_config(config), "fingerprint": fingerprint(config)}
+    except RecursionError:  # a config that parsed but nests deeper than flattening it can follow
+        return failed_row(DataError(f"{path}: 'config' is nested too deeply"), where)
+    except DataError as err:
+        return failed_row(err, where)
+    return {**row, **where, **identity}
+
+
+def failed_row(err: DataError, where: dict[str, str]) -> dict[str, Any]:
+    """The row of a run whose summary.json cannot be used (failed, with the reason), after a
+    warning that names the file."""
+    print_warning(f"{err}; the run counts as failed")
+    return {**where, "status": "failed", "error": f"unreadable summary: {err}", "fingerprint": None,
+            "result_config": {}}
 
 
 def load_summaries(results: Path) -> pd.DataFrame:
     """Every summary.json under ``results`` (recursively), one row each."""
-    rows = [summary_row(p) for p in sorted(Path(results).rglob("summary.json"))]
+    rows = [row for row in map(summary_row, sorted(Path(results).rglob("summary.json"))) if row is not None]
     return pd.DataFrame(rows)
 
 
+def number_table(path: Path, read: Callable[[Path], pd.DataFrame], needs: Sequence[str], numeric: Sequence[str],
+                 loses: str) -> Optional[pd.DataFrame]:
+    """``read(path)``, a CSV file that must have the columns ``needs`` and numbers in the
+    columns ``numeric`` (all when empty); None after a warning naming the file and what the
+    command goes on without (``loses``) when it does not."""
+    try:
+        frame = parsed(path, read)
+        missing = [c for c in needs if c not in frame]
+        if missing:
+            raise DataError(f"{path}: no column {missing[0]!r}")
+        text = [c for c in numeric or frame.columns if len(frame) and not pd.api.types.is_numeric_dtype(frame[c])]
+        if text:
+            raise DataError(f"{path}: column {text[0]!r} holds text where numbers belong")
+    except DataError as err:
+        print_warning(f"{err}; {loses} left out")
+        return None
+    return frame
+
+
 def load_metrics(run_dir: str | Path) -> pd.DataFrame:
-    """A run's metrics.csv (empty frame when missing)."""
+    """A run's metrics.csv (empty frame when it is missing or unusable)."""
     path = Path(run_dir) / "metrics.csv"
-    return pd.read_csv(path) if path.is_file() else pd.DataFrame()
+    frame = number_table(path, pd.read_csv, ("epoch",), (), "its curves are") if path.is_file() else None
+    return pd.DataFrame() if frame is None else frame
+
+
+def load_probes(run_dir: str | Path) -> pd.DataFrame:
+    """A run's probes.csv (an empty frame with the columns when it is missing or unusable)."""
+    path = Path(run_dir) / PROBES_FILE
+    frame = number_table(path, lambda p: read_probes(p.parent), COLUMNS, ("step", "value"),
+                         "its probe values are") if path.is_file() else None
+    return pd.DataFrame(columns=list(COLUMNS)) if frame is None else frame
 
 
 def seconds_per_epoch(run_dir: str | Path, steps_per_epoch: float) -> float:
     """Training seconds per epoch from the ``time`` probe (data loading and compute, no
     evaluation or checkpoints): ``sum(epoch_s) / sum(epoch_steps) * steps_per_epoch``;
     NaN when the run has no such rows."""
-    totals = read_probes(run_dir).query("probe == 'time'").groupby("quantity")["value"].sum()
+    totals = load_probes(run_dir).query("probe == 'time'").groupby("quantity")["value"].sum()
     steps = totals.get("epoch_steps", 0.0)
     return float(totals["epoch_s"] / steps * steps_per_epoch) if steps else math.nan

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 import pandas as pd
 
 from bnexp.errors import ConfigError
-from bnexp.probes.callback import read_probes
+from bnexp.report.results import load_probes
 
 CHANCE_LOSS_BAND = 0.05  # a final loss no more than 5% below ln(classes) ...
 CHANCE_TOP1_FACTOR = 2.0  # ... with a test top-1 below twice the guessing rate: collapsed to chance
@@ -25,7 +25,7 @@ CHANCE_TOP1_FACTOR = 2.0  # ... with a test top-1 below twice the guessing rate:
 
 def loss_endpoints(run_dir: Path) -> tuple[float, float]:
     """The ``loss`` probe's values at step 0 and on the final weights (NaN when missing)."""
-    rows = read_probes(run_dir).query("probe == 'loss'").sort_values("step")
+    rows = load_probes(run_dir).query("probe == 'loss'").sort_values("step")
     if rows.empty or rows["step"].iloc[0] != 0:
         return math.nan, math.nan
     return float(rows["value"].iloc[0]), float(rows["value"].iloc[-1])

@@ -1,9 +1,11 @@
 """``bnexp table <paper>/<name>``: a preset's results in the paper's layout; ``bnexp table
 DIR rows=KEY cols=KEY``: any sweep's results grouped by the overrides that vary.
 
-Each cell is ``mean ± std (n)`` over the completed runs, beside the published value and
-the difference. Runs that diverged or failed, and runs the sweep should have made but
-did not, are counted in the cell's parentheses, never dropped silently. A preset's table
+Each cell is ``mean ± std (n)`` over the completed runs, beside the published value, the
+difference and, where the paper printed a spread and its run count, a verdict: a two-sided
+Welch test at level :data:`LEVEL` (:func:`verdict`), counted in a closing line. Runs that
+diverged or failed, and runs the sweep should have made but did not, are counted in the
+cell's parentheses, never dropped silently. A preset's table
 counts only the runs whose fingerprint is one of its cells' (:attr:`Preset.expected`); the
 others in its folder are reported as not in the table.
 """
@@ -19,11 +21,12 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import pandas as pd
+from scipy import stats as scipy_stats
 
-from bnexp.commands import exit_on_error
+from bnexp.commands import exit_on_error, output_errors
 from bnexp.errors import ConfigError, unknown_choice
 from bnexp.identity import differences, is_non_result
 from bnexp.reference import published
@@ -31,15 +34,24 @@ from bnexp.report.layouts import METRIC_LABELS, METRICS, Layout, same
 from bnexp.report.presets import SEED, Preset, load_preset, parse_command, sweep_folder
 from bnexp.report.results import load_summaries, seconds_per_epoch
 from bnexp.report.stability import largest_stable
+from bnexp.runinfo import atomic_write
 
 FORMATS = ("markdown", "latex", "csv", "html")
+OUT_ELSEWHERE = "choose another place with out=PATH"  # when an output cannot be written
 # Characters of bnexp's tables that pdflatex does not take as they are, and what it takes.
 LATEX_TEXT = {"±": r"$\pm$", "Δ": r"$\Delta$", "–": "--", "×": r"$\times$", "ρ": r"$\rho$", "η": r"$\eta$",
               "κ": r"$\kappa$", "τ": r"$\tau$", "≤": r"$\leq$", "≥": r"$\geq$"}
 LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
                  "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+LEVEL = 0.05  # level of the two-sided Welch test of a cell against its published mean ± std
+# Characters of cell texts that would change a markdown table: raw HTML, a column break, a backslash
+# escape, a line break; written as markdown shows them as text.
+MARKDOWN_SPECIAL = {"\\": "\\\\", "|": "\\|", "<": "\\<", "\n": " ", "\r": " "}
 LEGEND = ("cell: mean ± std (completed runs; diverged, failed and missing runs); "
           "paper: the published value; Δ: ours minus paper")
+TEST_LEGEND = (f"test: two-sided Welch t-test of our runs against the published mean ± std and run count at level "
+               f"{LEVEL:g}, agree (p ≥ {LEVEL:g}) or differ, with its p-value; missing: fewer than 2 completed runs")
+VERDICTS = ("agree", "differ", "missing")
 
 
 @dataclass
@@ -125,8 +137,16 @@ def cell(frame: pd.DataFrame, layout: Layout, keys: Mapping[str, Any], metric: s
     return stats(select(runs, {layout.tune: choice}), metric, expected, choice)
 
 
-def paper_value(layout: Layout, keys: Mapping[str, Any], metric: str) -> tuple[float, float] | None:
-    """(mean, std) published for this cell, if the paper printed one."""
+class Published(NamedTuple):
+    """A published cell: its mean, std and the paper's runs per cell (NaN where not printed)."""
+
+    mean: float
+    std: float
+    runs: float
+
+
+def paper_value(layout: Layout, keys: Mapping[str, Any], metric: str) -> Published | None:
+    """(mean, std, runs) published for this cell, if the paper printed one."""
     if layout.paper is None:
         return None
     ref = published()
@@ -134,15 +154,49 @@ def paper_value(layout: Layout, keys: Mapping[str, Any], metric: str) -> tuple[f
     for axis in (*layout.rows, *layout.columns):
         if axis.published:
             ref = ref[ref[axis.published].map(lambda v: same(v, keys[axis.key]))]
-    return (float(ref["mean"].iloc[0]), float(ref["std"].iloc[0])) if len(ref) else None
+    return Published(*(float(ref[col].iloc[0]) for col in Published._fields)) if len(ref) else None
 
 
-def fmt_paper(value: tuple[float, float] | None) -> str:
+def fmt_paper(value: Published | None) -> str:
     """A published value: ``mean ± std``, or the mean alone where no std was printed."""
     if value is None:
         return ""
-    mean, std = value
-    return f"{mean:.2f}" if math.isnan(std) else f"{mean:.2f} ± {std:.2f}"
+    return f"{value.mean:.2f}" if math.isnan(value.std) else f"{value.mean:.2f} ± {value.std:.2f}"
+
+
+def welch_p(ours: Cell, paper: Published) -> float:
+    """The two-sided p-value of Welch's t-test between our runs and the published ones
+    (sample standard deviations, Welch-Satterthwaite degrees of freedom). Two groups
+    without spread: 1 when their means are equal (scipy gives NaN), 0 otherwise."""
+    p = scipy_stats.ttest_ind_from_stats(ours.mean, ours.std, ours.n, paper.mean, paper.std, int(paper.runs),
+                                         equal_var=False).pvalue
+    return 1.0 if math.isnan(p) else float(p)
+
+
+def verdict(ours: Cell, paper: Published | None) -> str:
+    """``agree p=...`` or ``differ p=...`` (Welch at :data:`LEVEL`), ``missing`` with fewer
+    than 2 completed runs, nothing where the paper printed no std or fewer than 2 runs."""
+    if paper is None or math.isnan(paper.std) or not paper.runs >= 2:
+        return ""
+    if ours.n < 2:
+        return "missing"
+    p = welch_p(ours, paper)
+    return f"{'agree' if p >= LEVEL else 'differ'} p={p:.2g}"
+
+
+def test_columns(table: pd.DataFrame) -> list[str]:
+    """The table's ``test`` columns (the verdicts)."""
+    return [c for c in table.columns if str(c).endswith(" test")]
+
+
+def legend_of(table: pd.DataFrame) -> str:
+    """The legend, and with verdicts the test's description and the closing line that counts
+    how many cells agree with, differ from and miss their published value."""
+    cells = [str(v).split(" ")[0] for c in test_columns(table) for v in table[c]]
+    if not cells:
+        return LEGEND
+    counts = ", ".join(f"{cells.count(v)} {v}" for v in VERDICTS)
+    return f"{LEGEND}; {TEST_LEGEND}\n\nWelch test at level {LEVEL:g} over the cells with a published mean ± std: {counts}"
 
 
 def fmt_diff(a: float, b: float) -> str:
@@ -193,14 +247,16 @@ def build(layout: Layout, frame: pd.DataFrame, default_seed: int = 0) -> pd.Data
             means[name] = (ours.mean, paper[0] if paper else math.nan)
             improv[name] = fmt_diff(ours.mean, baseline[name][0]) if baseline else ""
             if layout.paper:
-                line |= {f"{name} paper": fmt_paper(paper), f"{name} Δ": fmt_diff(*means[name])}
+                line |= {f"{name} paper": fmt_paper(paper), f"{name} Δ": fmt_diff(*means[name]),
+                         f"{name} test": verdict(ours, paper) if expected(keys) else ""}
                 improv |= {f"{name} paper": fmt_diff(paper[0] if paper else math.nan, baseline[name][1]) if baseline else "",
-                           f"{name} Δ": ""}
+                           f"{name} Δ": "", f"{name} test": ""}
         lines.append(line)
         if layout.improv and baseline:
             lines.append(improv)
         baseline = baseline or means
-    return pd.DataFrame(lines)
+    table = pd.DataFrame(lines)
+    return table.drop(columns=[c for c in test_columns(table) if not table[c].any()])  # no published spread
 
 
 def column_name(layout: Layout, col: Mapping[str, Any], metric: str) -> str:
@@ -213,9 +269,10 @@ def render(table: pd.DataFrame, fmt: str, title: str, figure: bytes | None = Non
     """Markdown (pandas + tabulate), LaTeX (pandas Styler, booktabs), CSV, or a
     self-contained HTML page (with ``figure``, a PNG, embedded)."""
     if fmt == "markdown":
-        return f"{title}\n\n{table.to_markdown(index=False, disable_numparse=True)}\n\n{legend}\n"
+        text = table.map(markdown_text).rename(columns=markdown_text).to_markdown(index=False, disable_numparse=True)
+        return f"{markdown_text(title)}\n\n{text}\n\n{legend}\n"
     if fmt == "latex":
-        return latex(table, f"{title}. {legend}.")
+        return latex(table, f"{title}. {' '.join(legend.split())}.")
     if fmt == "csv":
         return table.to_csv(index=False)
     if fmt == "html":
@@ -225,8 +282,8 @@ def render(table: pd.DataFrame, fmt: str, title: str, figure: bytes | None = Non
 
 def grouped(table: pd.DataFrame) -> pd.DataFrame:
     """The table with two header rows, as the papers print it: each measured column with its
-    ``paper`` and ``Δ`` columns under one heading (``ours``, ``paper``, ``Δ``); the label
-    columns' names on the lower row."""
+    ``paper``, ``Δ`` and ``test`` columns under one heading (``ours``, ``paper``, ``Δ``,
+    ``test``); the label columns' names on the lower row."""
     names = list(table.columns)
     measured = {n.removesuffix(" paper") for n in names if n.endswith(" paper")}
     if not measured:  # a sweep's table: one header row
@@ -239,11 +296,18 @@ def grouped(table: pd.DataFrame) -> pd.DataFrame:
             header.append((n.removesuffix(" paper"), "paper"))
         elif n.endswith(" Δ") and n.removesuffix(" Δ") in measured:
             header.append((n.removesuffix(" Δ"), "Δ"))
+        elif n.endswith(" test") and n.removesuffix(" test") in measured:
+            header.append((n.removesuffix(" test"), "test"))
         else:
             header.append(("", n))
     out = table.copy()
     out.columns = pd.MultiIndex.from_tuples(header)
     return out
+
+
+def markdown_text(text: Any) -> str:
+    """``text`` as markdown shows it (values in run folders may hold HTML or a ``|``)."""
+    return "".join(MARKDOWN_SPECIAL.get(c, c) for c in str(text))
 
 
 def latex_text(text: str) -> str:
@@ -280,8 +344,10 @@ def latex(table: pd.DataFrame, caption: str) -> str:
 
 
 def html_page(table: pd.DataFrame, title: str, figure: bytes | None, legend: str) -> str:
-    """One HTML file holding the table (grouped headers), its legend and ``figure``."""
-    body = grouped(table).style.hide(axis="index").to_html()
+    """One HTML file holding the table (grouped headers), its legend and ``figure``; every
+    text in it escaped (cells and headers hold values from run folders, which anyone may
+    have written)."""
+    body = grouped(table).style.hide(axis="index").format(escape="html").format_index(escape="html", axis=1).to_html()
     image = "" if figure is None else f'<p><img alt="training curves" src="data:image/png;base64,' \
         f'{base64.b64encode(figure).decode()}"></p>'
     style = ("body{font-family:sans-serif;margin:2em} table{border-collapse:collapse} "
@@ -353,12 +419,13 @@ def table_text(p: Preset, results: Path, fmt: str = "markdown") -> str:
     figure = None
     if fmt == "html" and not runs.empty:
         figure = figure_png(lambda plot: plot.draw(p.layout, runs, ("train_loss", "test_acc"), ()))
-    return render(table, fmt, f"{p.layout.title} ({results})", figure)
+    return render(table, fmt, f"{p.layout.title} ({results})", figure, legend_of(table))
 
 
 # ---- any sweep's folder ----------------------------------------------------------------
 SWEEP_OPTIONS = {"rows": "", "cols": "", "metric": "top1", "format": "markdown", "out": ""}
 REPLICATES = ("trainer.seed",)  # overrides whose runs a cell pools
+UNSET = "(not set)"  # a row or column key of a run that its overrides do not give
 
 
 def varying(frame: pd.DataFrame) -> list[str]:
@@ -387,24 +454,41 @@ def ordered(values: pd.Series) -> list[Any]:
         return sorted(distinct, key=str)
 
 
+def keyed(frame: pd.DataFrame, columns: Sequence[str]) -> list[tuple[str, ...]]:
+    """Each run's values of ``columns``, as text (:data:`UNSET` where it has none)."""
+    def text(value: Any) -> str:
+        return UNSET if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+
+    return [tuple(map(text, values)) for values in zip(*(frame[c] for c in columns))] if columns else [()] * len(frame)
+
+
+def combinations(keys: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """The distinct ``keys`` (:func:`keyed`), ordered key by key as :func:`ordered` orders
+    values, :data:`UNSET` last: only the combinations that runs have, never more than runs."""
+    found = set(keys)
+    ranks = [{v: i for i, v in enumerate(ordered(pd.Series([v for v in values if v != UNSET], dtype=object)))}
+             for values in zip(*found)]
+    return sorted(found, key=lambda combo: tuple(rank.get(v, len(rank)) for rank, v in zip(ranks, combo)))
+
+
 def sweep_table(frame: pd.DataFrame, rows: Sequence[str], cols: Sequence[str], metric: str,
                 label: str = "") -> pd.DataFrame:
     """Cells ``mean ± std (n; diverged, failed)`` of ``metric`` (headed ``label``) for every
-    combination of the ``rows`` keys (one line each) and the ``cols`` keys (one column each)."""
+    combination of the ``rows`` keys (one line each) and the ``cols`` keys (one column each)
+    that some run has: each run in exactly one cell, the table no larger than the runs make it."""
     valid = varying(frame)
-    row_cols = [column_of(frame, k, valid) for k in rows]
-    col_cols = [column_of(frame, k, valid) for k in cols]
-    row_keys = list(itertools.product(*(ordered(frame[c]) for c in row_cols))) or [()]
-    col_keys = list(itertools.product(*(ordered(frame[c]) for c in col_cols))) or [()]
+    row_of = keyed(frame, [column_of(frame, k, valid) for k in rows])
+    col_of = keyed(frame, [column_of(frame, k, valid) for k in cols])
+    cells: dict[tuple[tuple[str, ...], tuple[str, ...]], list[int]] = {}
+    for i, key in enumerate(zip(row_of, col_of)):
+        cells.setdefault(key, []).append(i)
+    columns = combinations(col_of)
     lines = []
-    for row in row_keys:
-        runs = select(frame, dict(zip(row_cols, row)))
-        if runs.empty:
-            continue
-        line = {key: str(value) for key, value in zip(rows, row)} or {"runs": "all"}
-        for col in col_keys:
+    for row in combinations(row_of):
+        line = dict(zip(rows, row)) or {"runs": "all"}
+        for col in columns:
             name = " ".join(f"{k}={v}" for k, v in zip(cols, col)) or label or metric
-            line[name] = stats(select(runs, dict(zip(col_cols, col))), metric, 0).text("")
+            line[name] = stats(frame.iloc[cells.get((row, col), [])], metric, 0).text("")
         lines.append(line)
     return pd.DataFrame(lines)
 
@@ -418,9 +502,9 @@ def sweep_text(folder: Path, options: Mapping[str, str]) -> str:
     cols = [k for k in options["cols"].split(",") if k]
     rows = [k for k in options["rows"].split(",") if k] or [k for k in varying(frame) if k not in cols]
     metric = METRICS.get(options["metric"], options["metric"])
-    if metric not in frame:
+    if metric not in frame or not pd.api.types.is_numeric_dtype(frame[metric]):
         numeric = [c for c in frame.columns if c.startswith(("final_", "best_"))]
-        raise ConfigError(f"metric={options['metric']!r}: no run recorded it; valid: {', '.join(METRICS)}, "
+        raise ConfigError(f"metric={options['metric']!r}: no run recorded it as a number; valid: {', '.join(METRICS)}, "
                           f"{', '.join(numeric)}")
     table = sweep_table(frame, rows, cols, metric, METRIC_LABELS.get(options["metric"], options["metric"]))
     figure = None
@@ -455,6 +539,7 @@ def text_for(args: list[str]) -> str:
     if options["format"] != "html":
         return text
     page = Path(options["out"] or results / "table.html")
-    page.parent.mkdir(parents=True, exist_ok=True)
-    page.write_text(text, encoding="utf-8")
+    with output_errors(f"cannot write {page}", OUT_ELSEWHERE):
+        page.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(page, lambda f: f.write(text.encode("utf-8")))
     return f"{page}\n"

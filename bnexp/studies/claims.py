@@ -37,6 +37,10 @@ DIGITS = ("data=digits", "data.image_size=8", "trainer.checkpoint_every=10")
 CBN_DIGITS = (*DIGITS, "tags.data=digits", "trainer.epochs=30", "schedule.milestones=[15,25]")
 # POP-Norm's iteration schedule (lr / 10 at 16k and 24k of 30k) over the same 360 steps
 POPNORM_DIGITS = (*DIGITS, "tags.data=digits", "trainer.max_steps=360", "schedule.milestones=[192,288]")
+# POP-Norm Fig. 3 (VGG-16 on CIFAR-100) on 32x32 digits: VGG-16 at 1/8 of its width (its five
+# pools need 32 pixels), POP-Norm's iteration schedule over 180 steps (lr / 10 at 96 and 144)
+POPNORM_ABLATION_DIGITS = (*DIGITS, "data.image_size=32", "tags.data=digits", "model.width=8",
+                           "trainer.max_steps=180", "schedule.milestones=[96,144]")
 # The BNP presets' protocol (constant lr, plain SGD, shuffled epochs) for 5 epochs of grey digits
 BNP_DIGITS = (*DIGITS, "data.channels=1", "trainer.epochs=5")
 # scale=quick: every run a few steps of a narrow model, one seed: the pipeline, not evidence
@@ -51,6 +55,7 @@ CLOSE_POINTS = 1.0  # "close": top-1 means within one percentage point
 TRAINS_TOP1 = 80.0  # "trains": every seed reaches 80 % test top-1 (chance: 10 %)
 BNP_MARGIN = 5.0  # BNP above BN at batch 2 by at least five points
 CONVERGED_LOSS = 0.1 * math.log(CLASSES)  # Arora: a tenth of the chance-level loss
+FASTER_LOSS_RATIO = 0.9  # "trains faster": a final training loss at most 9/10 of the other's
 
 HOLDS, FAILS, SHOWN, NOT_RUN = "holds", "does not hold", "shown", "not run"
 
@@ -236,6 +241,47 @@ def judge_hessian(frame: pd.DataFrame) -> list[Finding]:
                     "median kappa(P^T H P) < median kappa(H) in both runs", HOLDS if ok else FAILS)]
 
 
+def final_loss(frame: pd.DataFrame, **keys: object) -> float:
+    """The mean final training loss of the runs matching ``keys`` (``__`` for dots): inf
+    when one diverged, nan when none finished."""
+    runs = select(frame, {key.replace("__", "."): value for key, value in keys.items()})
+    if runs.empty:
+        return math.nan
+    if (runs["status"] == "diverged").any():
+        return math.inf
+    done = runs.loc[runs["status"] == "completed", "final_train_loss"].astype(float)
+    return float(done.mean()) if len(done) else math.nan
+
+
+def faster(claim: str, names: tuple[str, str], fast: float, slow: float) -> Finding:
+    """``names[0]`` (final training loss ``fast``) trains faster than ``names[1]`` (``slow``)."""
+    measured = f"final training loss: {names[0]} {fast:.3f}, {names[1]} {slow:.3f}"
+    criterion = f"{names[0]}'s final training loss <= {FASTER_LOSS_RATIO:g} x {names[1]}'s (a diverged run: inf)"
+    if math.isnan(fast) or math.isnan(slow):
+        return Finding(claim, measured, criterion, NOT_RUN)
+    return Finding(claim, measured, criterion, HOLDS if fast <= FASTER_LOSS_RATIO * slow else FAILS)
+
+
+def judge_ablation(frame: pd.DataFrame) -> list[Finding]:
+    """POP-Norm Fig. 3: with ReLU and tanh, mean removal alone (rho 1) trains faster than no
+    normalization and division alone faster than mean removal alone; mean removal with the
+    kappa 4 the preset had before its correction is shown beside them."""
+    findings = []
+    for act in ("relu", "tanh"):
+        loss = {method: final_loss(frame, tags__method=method, act__name=act) for method in ("division_only", "none")}
+        loss["mean_only"] = final_loss(frame, tags__method="mean_only", act__name=act, norm__rho=1.0)
+        kappa4 = final_loss(frame, tags__method="mean_only", act__name=act, norm__rho=4.0)
+        findings += [
+            faster(f"{act}: mean removal alone trains faster than no normalization", ("mean only", "none"),
+                   loss["mean_only"], loss["none"]),
+            faster(f"{act}: division alone trains faster than mean removal alone", ("division only", "mean only"),
+                   loss["division_only"], loss["mean_only"]),
+            Finding(f"{act}: mean removal only with kappa 4 (the preset before its correction)",
+                    f"final training loss {kappa4:.3f}", "(not the paper's form)", SHOWN),
+        ]
+    return findings
+
+
 def runs_of(frame: pd.DataFrame, norm: str, key: str) -> list[pd.Series]:
     """The runs of ``norm``, in increasing order of the config value ``key``."""
     if "norm.name" not in frame:
@@ -301,6 +347,11 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in (
            Arm("popnorm/table1", (*POPNORM_DIGITS, "model=resnet20", "paper_data=cifar10", "act=sigmoid", "norm=popnorm",
                                   "norm.join=after_act,before_act", "norm.classifier=true,false"), seeds=(0,))),
           judge_forms),
+    Claim("ablation", "POP-Norm Fig. 3 (VGG-16)",
+          (Arm("popnorm/ablation", (*POPNORM_ABLATION_DIGITS, "pop_part=mean_only,division_only,none",
+                                    "act=relu,tanh"), seeds=(0,)),
+           Arm("popnorm/ablation", (*POPNORM_ABLATION_DIGITS, "pop_part=mean_only", "norm.rho=4.0", "act=relu,tanh"),
+               seeds=(0,))), judge_ablation),
     Claim("lr", "CBN Table 6 (ResNet-20, ReLU)",
           (Arm("cbn/table6", (*CBN_DIGITS, f"cbn_part={','.join(LR_METHODS)}", "act=relu",
                               "optim.lr=1e-4,1e-3,1e-2,1e-1,1"), seeds=(0,)),), judge_lr),
