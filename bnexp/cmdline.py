@@ -2,14 +2,17 @@
 
 Hydra answers an unknown group option, group or key with a page of text and exit code 1;
 it accepts ``+key=value`` for any key, a typo of an existing one included, and the run then
-ignores it; an unwritable output folder fails inside its logging set-up with a traceback.
+ignores it; an unwritable output folder fails inside its logging set-up with a traceback; a
+value the run cannot use would fail it after its folder and lock were made.
 :func:`check_command_line` composes the configs the command asks for first (each group
-choice of a sweep once) and turns each of these into one :class:`ConfigError` (exit code 2)
-that names the value and the valid choices.
+choice of a sweep once, each other swept value in its place) and turns each of these into
+one :class:`ConfigError` (exit code 2) that names the value and the valid choices, before
+anything is written.
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 import tempfile
@@ -20,10 +23,10 @@ from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from bnexp.config import config_dir, hydra_session, is_group, parser
+from bnexp.config import config_dir, hydra_session, is_group, meaningless, parser, validate
 from bnexp.errors import ConfigError
 
 # Hydra flags followed by a value, and flags after which Hydra does not compose train.yaml
@@ -165,19 +168,64 @@ def ensure_writable(folder: Path, key: str) -> None:
                           f"choose another with {key}=PATH") from None
 
 
+def bind(cfg: DictConfig, task: list[str]) -> None:
+    """Make ``cfg`` (composed with its hydra node) this process's Hydra config, with the command
+    line's task overrides: the run and sweep folders are named after them, and ``${hydra:...}``
+    reads it."""
+    with read_write(cfg.hydra), open_dict(cfg):
+        cfg.hydra.overrides.task = task
+    HydraConfig.instance().set_config(cfg)
+
+
 def check_output(cfg: DictConfig, task: list[str], multirun: bool) -> None:
     """The run's (or the sweep's) output folder can be written."""
-    with open_dict(cfg):
-        cfg.hydra.overrides.task = task  # the sweep folder is named after the command line
-    HydraConfig.instance().set_config(cfg)
+    bind(cfg, task)
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     ensure_writable(Path(os.path.expanduser(str(OmegaConf.select(cfg, key)))), key)
 
 
+def check_names(cfg: DictConfig) -> None:
+    """A group's ``name`` is the name of its chosen option: ``norm.name=cbn`` with ``norm=bn``
+    would train BN and record it as CBN."""
+    for group, option in cfg.hydra.runtime.choices.items():
+        node = cfg.get(group)
+        if isinstance(node, DictConfig) and node.get("name", option) != option:
+            raise ConfigError(f"{group}.name={node.name} does not match {group}={option}: {group}.name names the "
+                              f"chosen config; choose another with {group}=NAME and leave {group}.name out")
+
+
+def swept_values(parsed: Sequence[Override]) -> list[tuple[str, Any]]:
+    """(key, value) for each value but the first of the command line's value sweeps
+    (``optim.lr=0.1,-1``: ``-1``); each composed config holds the first. Interval sweeps (a
+    search sweeper's) are left out: their values are drawn as the search goes."""
+    return [(o.key_or_group, value) for o in parsed
+            if o.is_sweep_override() and o.is_discrete_sweep() and not is_group(o)
+            and not o.key_or_group.startswith("hydra.") for value in list(o.sweep_iterator())[1:]]
+
+
+def with_value(cfg: DictConfig, key: str, value: Any) -> DictConfig:
+    """A copy of ``cfg`` with ``key`` set to ``value`` as Hydra sets an override's value."""
+    job = copy.deepcopy(cfg)
+    OmegaConf.update(job, key, value, merge=True)
+    return job
+
+
+def check_values(cfg: DictConfig, task: list[str], swept: Sequence[tuple[str, Any]]) -> None:
+    """The values of a composed config, and each swept value in its place: valid
+    (:func:`bnexp.config.validate`), group names that match the choices, no norm setting
+    that the chosen norm ignores."""
+    bind(cfg, task)
+    for job in [cfg, *(with_value(cfg, key, value) for key, value in swept)]:
+        validate(job)
+        check_names(job)
+        meaningless(job, task)
+
+
 def check_command_line(args: Sequence[str]) -> None:
     """Compose what ``bnexp train ARGS`` would run; raise ConfigError for an unknown group
-    option, group or key, an unknown ``+key``, a sweep without ``-m``, an unparsable override
-    or an output folder that cannot be written."""
+    option, group or key, an unknown ``+key``, a sweep without ``-m``, an unparsable override,
+    a value that is not valid (in each job of a sweep) or an output folder that cannot be
+    written."""
     multirun = any(a in ("-m", "--multirun") for a in args)
     shown = [a for a in args if a.split("=", 1)[0] in ("--cfg", "-c", "--info", "-i")]
     if multirun and shown:
@@ -198,6 +246,11 @@ def check_command_line(args: Sequence[str]) -> None:
         lists = variants(parsed)
         composed = [compose_or_explain(overrides_, parsed) for overrides_ in lists]
         check_additions(parsed, lists[0])
-        if not any(a in VALUE_FLAGS[:2] for a in args) and DRY_RUN not in args:  # these write nothing
-            task = [o.input_line for o in parsed if not o.key_or_group.startswith(("hydra.", "hydra/"))]
+        if any(a in VALUE_FLAGS[:2] for a in args):  # --cfg / -c print a config and write nothing
+            return
+        task = [o.input_line for o in parsed if not o.key_or_group.startswith(("hydra.", "hydra/"))]
+        swept = swept_values(parsed)
+        for cfg in composed:
+            check_values(cfg, task, swept)
+        if DRY_RUN not in args:  # a dry run writes nothing
             check_output(composed[0], task, multirun)

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from bnexp.distributed import Dist, split_batch
-from bnexp.errors import ConfigError, unknown_choice
-from bnexp.identity import override_key
+from bnexp.errors import ConfigError
+from bnexp.identity import flatten, override_key
 from bnexp.norms import NORM_LAYERS, uses_batch_statistics
 from bnexp.optim import UNITS
 
@@ -89,32 +89,24 @@ def check_published_lr(cfg: DictConfig) -> None:
                           f"learning rate for data={data}: set optim.lr=VALUE")
 
 
-def _number(cfg: DictConfig, key: str, ok: Callable[[float], bool], rule: str, integer: bool = False) -> None:
-    """``key`` holds a finite number (an integer if ``integer``) for which ``ok`` holds."""
-    value = OmegaConf.select(cfg, key)
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or not ok(value):
-        raise ConfigError(f"{key}={value!r} is not valid: {key} must be {rule}")
+def resolved(cfg: DictConfig) -> dict[str, Any]:
+    """The config's values with every interpolation resolved, as plain dicts and lists
+    (Hydra's own node left out); one that cannot be resolved is a ConfigError naming its key."""
+    try:
+        return {str(key): OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
+                for key in cfg if key != "hydra"}
+    except OmegaConfBaseException as err:
+        key = str(getattr(err, "full_key", "") or "")
+        raw = flatten(OmegaConf.to_container(cfg, resolve=False)).get(key, "")
+        raise ConfigError(f"{key}={raw} cannot be resolved: {str(err).splitlines()[0]}") from None
 
 
-def _optional(cfg: DictConfig, key: str, ok: Callable[[float], bool], rule: str, integer: bool = False) -> None:
-    """:func:`_number` for a key that may be absent or null."""
-    if OmegaConf.select(cfg, key) is not None:
-        _number(cfg, key, ok, f"{rule} (or null)", integer)
-
-
-def _milestones(cfg: DictConfig) -> None:
-    """``schedule.milestones``: a list of numbers >= 0 in increasing order."""
-    value = cfg.schedule.get("milestones")
-    if value is None:
-        return
-    items = list(value) if OmegaConf.is_list(value) else None
-    numbers = items is not None and all(isinstance(v, (int, float)) and not isinstance(v, bool) and
-                                        math.isfinite(v) and v >= 0 for v in items)
-    if not numbers or items != sorted(items):
-        raise ConfigError(f"schedule.milestones={OmegaConf.to_container(value) if items is not None else value!r} is "
-                          "not valid: schedule.milestones must be a list of numbers >= 0 in increasing order, e.g. "
-                          "[60,100]")
+def _milestones(values: Mapping[str, Any]) -> None:
+    """``schedule.milestones`` in increasing order (the schema checks that they are numbers >= 0)."""
+    milestones = values["schedule"].get("milestones")
+    if milestones is not None and milestones != sorted(milestones):
+        raise ConfigError(f"schedule.milestones={milestones} is not valid: schedule.milestones must be in increasing "
+                          "order, e.g. [60,100]")
 
 
 def _resume(cfg: DictConfig) -> None:
@@ -154,37 +146,59 @@ def meaningless(cfg: DictConfig, given: Iterable[str]) -> None:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} means nothing here: {reason}; leave it out")
 
 
+def _adam(cfg: DictConfig) -> None:
+    """``optim=adam`` takes no SGD momentum or nesterov (a preset's SGD protocol may set them)."""
+    if cfg.optim.get("name") != "adam":
+        return
+    for key in ("momentum", "nesterov"):
+        if cfg.optim.get(key):
+            raise ConfigError(f"optim.{key}={cfg.optim[key]} means nothing with optim=adam (optim.beta1 is its "
+                              f"momentum): set optim.{key}={'false' if key == 'nesterov' else 0}")
+
+
+def _nesterov(cfg: DictConfig) -> None:
+    """``optim.nesterov=true`` needs a momentum (torch's SGD refuses it without one)."""
+    momentum = cfg.optim.get("momentum") or 0
+    if cfg.optim.get("nesterov") and not momentum > 0:
+        raise ConfigError(f"optim.nesterov=true needs optim.momentum > 0 (Nesterov's is a momentum method), got "
+                          f"optim.momentum={momentum}: set a momentum, or optim.nesterov=false")
+
+
+def _warmup(cfg: DictConfig) -> None:
+    """A linear warmup starts at ``lr * warmup_factor``: a factor of 0 is refused by torch."""
+    if cfg.schedule.get("warmup_mode") == "linear" and cfg.schedule.get("warmup_factor") == 0:
+        raise ConfigError("schedule.warmup_factor=0 is not valid with schedule.warmup_mode=linear: a linear warmup "
+                          "starts at lr * warmup_factor, which must be > 0; use a factor in (0, 1]")
+
+
+def _seeds(cfg: DictConfig) -> None:
+    """The seeds a run draws (``trainer.seed`` plus the rank, or plus the member of a pack)
+    fit numpy's 32 bits."""
+    from bnexp.schema import MAX_SEED
+
+    seed, runs = cfg.trainer.seed, max(cfg.trainer.nproc, cfg.trainer.pack)
+    if seed + runs - 1 > MAX_SEED:
+        raise ConfigError(f"trainer.seed={seed} is too large for trainer.nproc={cfg.trainer.nproc} and trainer.pack="
+                          f"{cfg.trainer.pack}: the seeds {seed} to {seed + runs - 1} must be <= {MAX_SEED}")
+
+
 def validate(cfg: DictConfig) -> None:
-    """Reject impossible values with one message naming the key, the value and the rule."""
+    """Reject impossible values with one message naming the key, the value and the rule: the
+    types and ranges of the schema (:mod:`bnexp.schema`), then the rules that tie keys together."""
+    from bnexp.schema import check_schema  # imports the modules whose choices it names
+
+    values = resolved(cfg)
     check_published_lr(cfg)
-    _number(cfg, "optim.lr", lambda v: v > 0, "a number > 0")
-    for key in ("optim.wd_w", "optim.wd_g"):
-        _optional(cfg, key, lambda v: v >= 0, "a number >= 0")
-    _optional(cfg, "model.width", lambda v: v >= 1, "an integer >= 1", integer=True)
-    for key in ("model.width_mult", "model.depth_mult", "model.init_scale"):
-        _optional(cfg, key, lambda v: v > 0, "a number > 0")
-    for key in ("model.dropout", "model.stochastic_depth"):
-        _optional(cfg, key, lambda v: 0 <= v < 1, "in [0, 1)")
-    _milestones(cfg)
-    _optional(cfg, "schedule.gamma", lambda v: v > 0, "a number > 0")
+    if lr_not_applicable(cfg):  # no run: the sweep skips the cell (bnexp.sweep.skip_reason)
+        return
+    check_schema(values)
+    _milestones(values)
     _resume(cfg)
     _init_from(cfg)
-    for key in ("optim.lr_w", "optim.lr_g"):
-        _optional(cfg, key, lambda v: v > 0, "a number > 0, null meaning optim.lr")
-    _optional(cfg, "optim.momentum", lambda v: 0 <= v < 1, "in [0, 1)")
-    if cfg.optim.get("name") == "adam":
-        for key in ("optim.beta1", "optim.beta2"):
-            _number(cfg, key, lambda v: 0 <= v < 1, "in [0, 1)")
-        _number(cfg, "optim.eps", lambda v: v > 0, "a number > 0")
-        for key in ("momentum", "nesterov"):  # a preset's protocol may set them for SGD
-            if cfg.optim.get(key):
-                raise ConfigError(f"optim.{key}={cfg.optim[key]} means nothing with optim=adam (optim.beta1 is its "
-                                  f"momentum): set optim.{key}={'false' if key == 'nesterov' else 0}")
-    _number(cfg, "optim.weight_decay", lambda v: v >= 0, "a number >= 0")
-    _number(cfg, "trainer.batch_size", lambda v: v >= 1, "an integer >= 1", integer=True)
-    _number(cfg, "trainer.nproc", lambda v: v >= 1, "an integer >= 1", integer=True)
-    _number(cfg, "trainer.dist_timeout", lambda v: v > 0, "a number of seconds > 0")
-    _number(cfg, "trainer.pack", lambda v: v >= 1, "an integer >= 1", integer=True)
+    _adam(cfg)
+    _nesterov(cfg)
+    _warmup(cfg)
+    _seeds(cfg)
     per_process = split_batch(cfg.trainer.batch_size, Dist(world_size=cfg.trainer.nproc))
     together = cfg.trainer.batch_size if cfg.norm.get("sync") else per_process
     if together < 2 and uses_batch_statistics(cfg.norm):
@@ -192,21 +206,3 @@ def validate(cfg: DictConfig) -> None:
             f"trainer.batch_size={cfg.trainer.batch_size} gives batch statistics over one image, and norm="
             f"{cfg.norm.name} normalizes with batch statistics: use trainer.batch_size >= 2 per process, or a norm "
             "without batch statistics (none, gn, ln, bnp, bnp_gn, or bn_4things with norm.groups set)")
-    _number(cfg, "trainer.epochs", lambda v: v >= 0, "a number >= 0")
-    _optional(cfg, "trainer.max_steps", lambda v: v >= 1, "an integer >= 1", integer=True)
-    _number(cfg, "trainer.eval_every", lambda v: v > 0, "a number > 0")
-    _number(cfg, "trainer.log_every", lambda v: v >= 1, "an integer >= 1", integer=True)
-    _number(cfg, "trainer.seed", lambda v: v >= 0, "an integer >= 0", integer=True)
-    if cfg.trainer.device not in DEVICES:
-        raise unknown_choice("trainer.device", cfg.trainer.device, DEVICES)
-    if cfg.trainer.eval_unit not in UNITS:
-        raise unknown_choice("trainer.eval_unit", cfg.trainer.eval_unit, UNITS)
-    _number(cfg, "trainer.checkpoint_every", lambda v: v >= 0, "a number >= 0 (0 disables checkpoints)")
-    _number(cfg, "trainer.keep_checkpoints", lambda v: v >= 1, "an integer >= 1", integer=True)
-    if cfg.trainer.checkpoint_unit not in CHECKPOINT_UNITS:
-        raise unknown_choice("trainer.checkpoint_unit", cfg.trainer.checkpoint_unit, CHECKPOINT_UNITS)
-    for key in ("trainer.tf32", "trainer.deterministic"):
-        if not isinstance(OmegaConf.select(cfg, key), bool):
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} is not valid: use true or false")
-    if cfg.schedule.get("unit", "epoch") not in UNITS:
-        raise unknown_choice("schedule.unit", cfg.schedule.unit, UNITS)

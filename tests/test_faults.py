@@ -205,7 +205,7 @@ def test_lock_held_on_another_host_is_named(tmp_path: Path, capsys: pytest.Captu
 
 def test_lock_is_released_however_the_run_ends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(train_args(tmp_path / "ok"), capsys)[0] == 0
-    assert run_cli(train_args(tmp_path / "bad", "optim.lr=-1"), capsys)[0] == EXIT_CONFIG
+    assert run_cli(train_args(tmp_path / "bad", "trainer.batch_size=100"), capsys)[0] == EXIT_CONFIG  # > 64 images
     assert not (tmp_path / "ok" / "run" / LOCK_NAME).exists() and not (tmp_path / "bad" / "run" / LOCK_NAME).exists()
 
 
@@ -350,14 +350,14 @@ def test_ctrl_c_stops_a_sweep_after_its_report(tmp_path: Path) -> None:
 
 
 def test_sweep_of_failing_cells_exits_nonzero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out = run_cli(["train", "-m", *TINY, "optim.lr=-1,-2", *run_dir_of(tmp_path)], capsys)
+    code, out = run_cli(["train", "-m", *TINY, "trainer.batch_size=100,200", *run_dir_of(tmp_path)], capsys)  # 64 images
     assert code == EXIT_FAILED
     assert "sweep finished: 2 cells: 0 completed, 0 diverged, 2 failed" in out
 
 
 def test_failed_run_says_why_in_train_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_cli(train_args(tmp_path, "optim.lr=-1"), capsys)[0] == EXIT_CONFIG
-    assert "optim.lr=-1 is not valid: optim.lr must be a number > 0" in (tmp_path / "run" / "train.log").read_text()
+    assert run_cli(train_args(tmp_path, "trainer.batch_size=100"), capsys)[0] == EXIT_CONFIG
+    assert "trainer.batch_size=100 is larger than the 64 training images" in (tmp_path / "run" / "train.log").read_text()
 
 
 def test_unwritable_output_folder_is_one_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -372,14 +372,17 @@ def test_unwritable_output_folder_is_one_message(tmp_path: Path, capsys: pytest.
 
 @pytest.fixture(scope="module")
 def lr_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An ad-hoc sweep: 2 activations x 2 learning rates x 2 seeds, and a failing lr."""
+    """An ad-hoc sweep: 2 activations x 2 learning rates x 2 seeds, and a cell that fails (it
+    resumes from a file that is no checkpoint; trainer.resume is not one of the varying keys)."""
     folder = tmp_path_factory.mktemp("sweep")
     args = ["train", "-m", *TINY, "act=relu,tanh", "optim.lr=0.05,0.1", "trainer.seed=0,1", f"hydra.sweep.dir={folder}"]
     from bnexp.cli import main
 
     main(args)
+    garbage = tmp_path_factory.mktemp("garbage") / "step-000000002.pt"
+    garbage.write_text("not a checkpoint")
     with pytest.raises(SystemExit):
-        main(["train", "-m", *TINY, "act=relu", "optim.lr=-1", f"hydra.sweep.dir={folder}"])
+        main(["train", "-m", *TINY, "act=relu", "optim.lr=0.2", f"trainer.resume={garbage}", f"hydra.sweep.dir={folder}"])
     return folder
 
 
@@ -387,10 +390,10 @@ def test_table_of_any_sweep(lr_sweep: Path, capsys: pytest.CaptureFixture[str]) 
     code, out = run_cli(["table", str(lr_sweep), "rows=act", "cols=optim.lr"], capsys)
     assert code == 0, out
     lines = [line for line in out.splitlines() if line.startswith("|")]
-    assert [c.strip() for c in lines[0].strip("|").split("|")] == ["act", "optim.lr=-1", "optim.lr=0.05",
-                                                                  "optim.lr=0.1"]
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == ["act", "optim.lr=0.05", "optim.lr=0.1",
+                                                                  "optim.lr=0.2"]
     relu = [c.strip() for c in lines[2].strip("|").split("|")]
-    assert relu[0] == "relu" and relu[1] == "– (0; 1 failed)" and relu[2].endswith("(2)") and relu[3].endswith("(2)")
+    assert relu[0] == "relu" and relu[1].endswith("(2)") and relu[2].endswith("(2)") and relu[3] == "– (0; 1 failed)"
     code, out = run_cli(["table", str(lr_sweep), "metric=top5"], capsys)  # rows: every varying override
     assert code == 0 and "| act   | optim.lr   | top-5" in out
     code, out = run_cli(["table", str(lr_sweep), "rows=actt"], capsys)

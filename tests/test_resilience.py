@@ -200,14 +200,19 @@ def test_explicit_resume_path_and_never(tmp_path: Path) -> None:
 
 
 def test_sweep_survives_failed_and_diverged_cells(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["train", "-m", *TINY, "norm=none", "optim.lr=0.01,1e12,-1", *run_dir_of(tmp_path)]
+    # 64 training images (TINY): batches of 100 fail once the data is loaded
+    args = ["train", "-m", *TINY, "norm=none", "optim.lr=0.01,1e12", "trainer.batch_size=16,100", *run_dir_of(tmp_path)]
     code, out = run_cli(args, capsys)
     assert code == EXIT_FAILED, out  # after its report, a sweep with a failed cell exits non-zero
     statuses = {p.parent.name: read_summary(p.parent)["status"] for p in (tmp_path / "sweep").glob("*/summary.json")}
-    by_lr = {next(part for part in name.split(",") if part.startswith("optim.lr=")): s for name, s in statuses.items()}
-    assert by_lr == {"optim.lr=0.01": "completed", "optim.lr=1000000000000.0": "diverged", "optim.lr=-1": "failed"}
-    assert "3 cells: 1 completed, 1 diverged, 1 failed" in out
-    assert "optim.lr=-1 is not valid" in out and "failed: " in out
+    by_cell = {tuple(part for part in name.split(",") if part.startswith(("optim.lr=", "trainer.batch_size="))): s
+               for name, s in statuses.items()}
+    assert by_cell == {("optim.lr=0.01", "trainer.batch_size=16"): "completed",
+                       ("optim.lr=1000000000000.0", "trainer.batch_size=16"): "diverged",
+                       ("optim.lr=0.01", "trainer.batch_size=100"): "failed",
+                       ("optim.lr=1000000000000.0", "trainer.batch_size=100"): "failed"}
+    assert "4 cells: 1 completed, 1 diverged, 2 failed" in out
+    assert "trainer.batch_size=100 is larger than the 64 training images" in out and "failed: " in out
 
     stamps = {p.parent.name: p.stat().st_mtime_ns for p in (tmp_path / "sweep").glob("*/summary.json")}
     code, out = run_cli(args, capsys)  # the re-run trains only the failed cell again
@@ -215,7 +220,7 @@ def test_sweep_survives_failed_and_diverged_cells(tmp_path: Path, capsys: pytest
     changed = {p.parent.name for p in (tmp_path / "sweep").glob("*/summary.json")
                if p.stat().st_mtime_ns != stamps[p.parent.name]}
     assert changed == {name for name, status in statuses.items() if status == "failed"}
-    assert "3 cells: 0 completed, 0 diverged, 1 failed, 2 skipped" in out
+    assert "4 cells: 0 completed, 0 diverged, 2 failed, 2 skipped" in out
 
 
 @pytest.mark.slow

@@ -135,9 +135,8 @@ def test_offline_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         ("norm=gn norm.groups=0", "norm.groups=0 is not valid: norm.groups must be an integer >= 1"),
         ("schedule.milestones=abc", "schedule.milestones='abc' is not valid: schedule.milestones must be a list"),
         ("schedule.milestones=[100,60]", "in increasing order"),
-        ("model.width=0", "model.width=0 is not valid: model.width must be an integer >= 1"),
-        ("trainer.dist_timeout=0", "trainer.dist_timeout=0 is not valid: trainer.dist_timeout must be a number of "
-                                   "seconds > 0"),
+        ("model.width=0", "model.width=0 is not valid: model.width must be an integer in [1, 65536]"),
+        ("trainer.dist_timeout=0", "trainer.dist_timeout=0 is not valid: trainer.dist_timeout must be a number > 0"),
         ("trainer.resume=nevr", "trainer.resume='nevr' is not valid: use auto (continue from the newest checkpoint "
                                 "in the run directory), never (start over), or the path of a checkpoint file"),
         ("+trainer.epoch=3", "unknown key 'trainer.epoch' (bnexp would ignore it; only tags.* may be added with +); "

@@ -1,0 +1,320 @@
+"""The typed schema of a composed ``bnexp train`` config: the type and range of every key.
+
+pydantic checks it in strict mode (:func:`check_schema`, called by
+:func:`bnexp.config.validate`): a string is never read as a bool or a number (``"no"`` is
+not ``false``), NaN and infinity are no numbers, and every bound is part of the type. One
+schema per config group covers the keys of all its options (a key means the same in every
+option that has it); a key may be absent, and keys the schema does not name pass unchecked
+(the command line cannot add any: see :mod:`bnexp.cmdline`). docs/experiments.md
+("Checked values") says why. The schema only checks: the config a run trains with, and so
+its fingerprint, is the one Hydra composed.
+"""
+
+import types
+from typing import Annotated, Any, Literal, Mapping, Optional, Union, get_args, get_origin, get_type_hints
+
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
+from typing_extensions import TypedDict
+
+from bnexp.config import CHECKPOINT_UNITS, DEVICES
+from bnexp.data.loaders import LOADERS, SAMPLINGS
+from bnexp.errors import ConfigError, unknown_choice
+from bnexp.models.bnp_nets import PADDINGS
+from bnexp.nn.family import ADAPTIVE, AMAT_UPDATES
+from bnexp.norms import JOINS, PLACEMENTS
+from bnexp.optim import OPTIMIZERS, SCHEDULES, UNITS, WARMUPS
+from bnexp.speed import AMP_DTYPES
+
+# numpy seeds its generator with 32 bits (trainer.seed, and each rank's or pack member's
+# seed after it; data.split_seed through scikit-learn); torch.Generator takes 64 (data.seed).
+MAX_SEED = 2**32 - 1
+MAX_DATA_SEED = 2**64 - 1
+# Widths past this cannot be trained on any one GPU by any bnexp model: a hidden layer of an
+# MLP would hold 2**32 weights, a 3x3 convolution of a CIFAR ResNet's last stage 2**39.
+MAX_WIDTH = 2**16
+
+
+def choice(options: Any) -> Any:
+    """The type of a key whose value is one of ``options``."""
+    return Literal[tuple(options)]
+
+
+# Strings are not bools or numbers, NaN and infinity are not numbers; keys the schema does not
+# name pass (its TypedDicts ignore them).
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+
+Positive = Annotated[float, Field(gt=0)]
+NonNegative = Annotated[float, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+Probability = Annotated[float, Field(ge=0, lt=1)]
+Count = Annotated[int, Field(ge=1)]
+Amount = Annotated[int, Field(ge=0)]
+
+
+@with_config(STRICT)
+class ModelKeys(TypedDict, total=False):
+    name: str
+    width: Optional[Annotated[int, Field(ge=1, le=MAX_WIDTH)]]
+    width_mult: Optional[Positive]
+    depth_mult: Optional[Positive]
+    dropout: Optional[Probability]
+    stochastic_depth: Optional[Probability]
+    init_scale: Optional[Positive]
+    padding: choice(PADDINGS)
+
+
+@with_config(STRICT)
+class BnpKeys(TypedDict, total=False):
+    rho: Fraction
+    eps1: NonNegative
+    eps2: NonNegative
+
+
+@with_config(STRICT)
+class NormKeys(TypedDict, total=False):
+    name: str
+    layer: Optional[str]
+    placement: choice(PLACEMENTS)
+    join: choice(JOINS)
+    classifier: bool
+    input: bool
+    center: bool
+    scale: bool
+    decouple: bool
+    rho: Positive
+    amat: bool
+    amat_eta: Union[Literal[ADAPTIVE], Fraction]
+    amat_update: choice(AMAT_UPDATES)
+    amat_r_max: Optional[Positive]
+    eps: Positive
+    momentum: Fraction
+    r_max: Optional[Annotated[float, Field(ge=1)]]  # null: never clipped
+    d_max: Optional[NonNegative]
+    relax_start: Amount
+    r_max_step: Amount
+    d_max_step: Amount
+    groups: Optional[Count]  # null: bn_4things's one channel per group
+    ghost_batch: Optional[Count]
+    affine_decay: NonNegative
+    alpha: Fraction
+    sync: bool
+    op_bias: Optional[bool]
+    bnp: Optional[BnpKeys]
+
+
+@with_config(STRICT)
+class ActKeys(TypedDict, total=False):
+    name: str
+
+
+@with_config(STRICT)
+class DataKeys(TypedDict, total=False):
+    name: str
+    root: str
+    path: Optional[str]
+    download: bool
+    verify: bool
+    num_classes: Optional[Count]
+    image_size: Count
+    resize_size: Count
+    channels: Count
+    train_size: Count
+    test_size: Count
+    noise: NonNegative
+    seed: Annotated[int, Field(ge=0, le=MAX_DATA_SEED)]
+    split_seed: Annotated[int, Field(ge=0, le=MAX_SEED)]
+    test_fraction: Annotated[float, Field(gt=0, lt=1)]
+    sampling: choice(SAMPLINGS)
+    drop_last: Optional[bool]
+    augment: bool
+    aug: str
+    padding: Amount
+    loader: choice(LOADERS)
+    num_workers: Amount
+    pin_memory: Optional[bool]
+    eval_batch_size: Count
+    format: str
+    bad_images: str
+    check_images: bool
+
+
+@with_config(STRICT)
+class OptimKeys(TypedDict, total=False):
+    name: choice(OPTIMIZERS)
+    lr: Positive
+    momentum: Probability
+    beta1: Probability
+    beta2: Probability
+    eps: Positive
+    weight_decay: NonNegative
+    nesterov: bool
+    lr_w: Optional[Positive]
+    lr_g: Optional[Positive]
+    wd_w: Optional[NonNegative]
+    wd_g: Optional[NonNegative]
+
+
+@with_config(STRICT)
+class ScheduleKeys(TypedDict, total=False):
+    name: choice(SCHEDULES)
+    unit: choice(UNITS)
+    milestones: Optional[list[NonNegative]]
+    gamma: Optional[Positive]
+    warmup: NonNegative
+    warmup_unit: Optional[choice(UNITS)]  # null: unit
+    warmup_mode: choice(WARMUPS)
+    warmup_factor: Fraction
+
+
+@with_config(STRICT)
+class TrainerKeys(TypedDict, total=False):
+    epochs: NonNegative
+    max_steps: Optional[Count]
+    batch_size: Count
+    nproc: Count
+    dist_timeout: Positive
+    pack: Count
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)]
+    device: choice(DEVICES)
+    eval_every: Positive
+    eval_unit: choice(UNITS)
+    log_every: Count
+    deterministic: bool
+    tf32: bool
+    checkpoint_every: NonNegative
+    checkpoint_unit: choice(CHECKPOINT_UNITS)
+    keep_checkpoints: Count
+    resume: str
+    init_from: Optional[str]
+    amp: choice(AMP_DTYPES)
+    channels_last: bool
+    compile: bool
+
+
+@with_config(STRICT)
+class LoggerKeys(TypedDict, total=False):
+    name: str
+    tracking_uri: Optional[str]
+    experiment: Optional[str]
+    dir: Optional[str]
+    project: str
+    entity: Optional[str]
+
+
+@with_config(STRICT)
+class ProbeKeys(TypedDict, total=False):
+    every: Amount
+    k: Count
+    batch_size: Optional[Count]
+    neuron: Amount
+    rtol: Optional[Positive]
+    stats: BnpKeys
+
+
+@with_config(STRICT)
+class WarmupKeys(TypedDict, total=False):
+    warmup: NonNegative
+    unit: choice(UNITS)
+    mode: choice(WARMUPS)
+
+
+@with_config(STRICT)
+class TrainKeys(TypedDict, total=False):
+    model: ModelKeys
+    norm: NormKeys
+    act: ActKeys
+    data: DataKeys
+    optim: OptimKeys
+    schedule: ScheduleKeys
+    trainer: TrainerKeys
+    logger: LoggerKeys
+    probe: dict[str, ProbeKeys]
+    probes: list[str]
+    tags: dict[str, Any]
+    weight_decay_by_norm: dict[str, NonNegative]  # the BNP presets' settings per norm
+    init_scale_by_norm: dict[str, Positive]
+    warmup_by_norm: dict[str, WarmupKeys]
+
+
+SCHEMA = TypeAdapter(TrainKeys)
+
+
+def check_schema(values: Mapping[str, Any]) -> None:
+    """Raise a ConfigError naming the first key of ``values`` (a resolved config as plain
+    dicts and lists) whose value does not fit the schema."""
+    try:
+        SCHEMA.validate_python(values)
+    except ValidationError as err:
+        raise schema_error(err.errors()[0]["loc"], values) from None
+
+
+def schema_error(loc: tuple, values: Mapping[str, Any]) -> ConfigError:
+    """The one-line error for pydantic's error location ``loc``: the key, its value, the rule."""
+    key, kind = key_type(loc)
+    value: Any = values
+    for part in key.split("."):
+        value = value[part]
+    options = get_args(kind) if get_origin(kind) is Literal else ()
+    if options:
+        return unknown_choice(key, value, options)
+    return ConfigError(f"{key}={value!r} is not valid: {key} must be {rule(kind)}")
+
+
+def key_type(loc: tuple) -> tuple[str, Any]:
+    """The dotted config key at the start of ``loc`` that the schema types, and its type."""
+    kind: Any = TrainKeys
+    parts: list[str] = []
+    for part in loc:
+        node = without_null(kind)
+        if isinstance(node, type) and issubclass(node, dict) and hasattr(node, "__total__"):  # a TypedDict
+            kind = get_type_hints(node, include_extras=True)[part]
+        elif get_origin(node) is dict:
+            kind = get_args(node)[1]
+        else:  # inside a value: a list's item, a union's member
+            break
+        parts.append(str(part))
+    return ".".join(parts), kind
+
+
+def without_null(kind: Any) -> Any:
+    """``X`` for ``Optional[X]``; any other type as it is."""
+    args = get_args(kind)
+    if get_origin(kind) in (Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        return next(a for a in args if a is not type(None))
+    return kind
+
+
+KINDS = {bool: ("true or false", "true or false"), int: ("an integer", "integers"), float: ("a number", "numbers"),
+         str: ("a string", "strings")}
+
+
+def rule(kind: Any, plural: bool = False) -> str:
+    """A schema type in words: ``an integer in [1, 65536]``, ``a number > 0 (or null)``."""
+    origin, args = get_origin(kind), get_args(kind)
+    if origin in (Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        words = " or ".join(rule(a, plural) for a in options)
+        return words + (" (or null)" if len(options) < len(args) else "")
+    if origin is Annotated:
+        return rule(args[0], plural) + bounds([m for info in args[1:] for m in info.metadata])
+    if origin is Literal:
+        return ", ".join(map(str, args))
+    if origin is list:
+        return f"a list of {rule(args[0], plural=True)}"
+    if origin is dict:
+        return "a mapping"
+    return KINDS[kind][plural]
+
+
+def bounds(metadata: list) -> str:
+    """``>= 0``, ``in [0, 1)``: the bounds of an annotated number, as words."""
+    low = next((("[", m.ge) if isinstance(m, Ge) else ("(", m.gt) for m in metadata if isinstance(m, (Ge, Gt))), None)
+    high = next(((m.le, "]") if isinstance(m, Le) else (m.lt, ")") for m in metadata if isinstance(m, (Le, Lt))), None)
+    if low and high:
+        return f" in {low[0]}{low[1]}, {high[0]}{high[1]}"
+    if low:
+        return f" {'>=' if low[0] == '[' else '>'} {low[1]}"
+    if high:
+        return f" {'<=' if high[1] == ']' else '<'} {high[0]}"
+    return ""
