@@ -30,8 +30,8 @@ from bnexp.speed import AMP_DTYPES
 # seed after it; data.split_seed through scikit-learn); torch.Generator takes 64 (data.seed).
 MAX_SEED = 2**32 - 1
 MAX_DATA_SEED = 2**64 - 1
-# Widths past this cannot be trained on any one GPU by any bnexp model: a hidden layer of an
-# MLP would hold 2**32 weights, a 3x3 convolution of a CIFAR ResNet's last stage 2**39.
+# No bnexp model trains much wider on one GPU: at this width a hidden layer of an MLP holds
+# 2**32 weights (16 GiB in float32), a 3x3 convolution of a CIFAR ResNet's last stage ~2**39.
 MAX_WIDTH = 2**16
 
 

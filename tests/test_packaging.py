@@ -60,7 +60,7 @@ LAYERS = [
     ("bnexp.errors", "bnexp.registry", "bnexp.distributed", "bnexp.reference", "bnexp.commands", "bnexp.__init__"),
     ("bnexp.nn",),
     ("bnexp.activations", "bnexp.norms", "bnexp.models", "bnexp.scale_invariance"),
-    ("bnexp.config", "bnexp.data", "bnexp.optim", "bnexp.callbacks", "bnexp.methods", "bnexp.probes", "bnexp.loggers",
+    ("bnexp.config", "bnexp.schema", "bnexp.data", "bnexp.optim", "bnexp.callbacks", "bnexp.methods", "bnexp.probes", "bnexp.loggers",
      "bnexp.checkpoint", "bnexp.runinfo", "bnexp.speed", "bnexp.preemption", "bnexp.launch", "bnexp.trainer",
      "bnexp.identity", "bnexp.runlock", "bnexp.pack"),
     ("bnexp.sweep", "bnexp.app", "bnexp.cmdline", "hydra_plugins"),
