@@ -84,7 +84,7 @@ class NormKeys(TypedDict, total=False):
     decouple: bool
     rho: Positive
     amat: bool
-    amat_eta: Union[Literal[ADAPTIVE], Fraction]
+    amat_eta: Optional[Union[Literal[ADAPTIVE], Fraction]]  # null: adaptive
     amat_update: choice(AMAT_UPDATES)
     amat_r_max: Optional[Positive]
     eps: Positive
@@ -187,7 +187,7 @@ class TrainerKeys(TypedDict, total=False):
     keep_checkpoints: Count
     resume: str
     init_from: Optional[str]
-    amp: choice(AMP_DTYPES)
+    amp: Optional[choice((*AMP_DTYPES, False))]  # YAML reads a bare off as false (bnexp.speed.amp_mode)
     channels_last: bool
     compile: bool
 
@@ -255,10 +255,19 @@ def schema_error(loc: tuple, values: Mapping[str, Any]) -> ConfigError:
     value: Any = values
     for part in key.split("."):
         value = value[part]
-    options = get_args(kind) if get_origin(kind) is Literal else ()
+    options = choices(kind)
     if options:
         return unknown_choice(key, value, options)
     return ConfigError(f"{key}={value!r} is not valid: {key} must be {rule(kind)}")
+
+
+def choices(kind: Any) -> tuple[str, ...]:
+    """The names a key of one of several named values takes (``None`` and ``False`` aside:
+    YAML reads a bare ``off`` as false); none for any other key."""
+    members = get_args(kind) if get_origin(kind) in (Union, types.UnionType) else (kind,)
+    if not all(get_origin(m) is Literal or m is type(None) for m in members):
+        return ()
+    return tuple(a for m in members for a in get_args(m) if isinstance(a, str))
 
 
 def key_type(loc: tuple) -> tuple[str, Any]:
