@@ -150,16 +150,16 @@ def test_offline_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         ("norm=bn norm.join=before_act", "norm.join=before_act means nothing here: it applies to "
                                          "norm.placement=before_op only"),
         ("norm=bn norm.amat_eta=0.9", "norm.amat_eta=0.9 means nothing here: it applies with norm.amat=true only"),
-        ("optim=adam optim.beta2=1", "optim.beta2=1 is not valid: optim.beta2 must be in [0, 1)"),
+        ("optim=adam optim.beta2=1", "optim.beta2=1 is not valid: optim.beta2 must be a number in [0, 1)"),
         ("optim=adam optim.eps=0", "optim.eps=0 is not valid: optim.eps must be a number > 0"),
         ("experiment=popnorm/table1 optim=adam", "optim.momentum=0.9 means nothing with optim=adam (optim.beta1 is its "
                                                  "momentum): set optim.momentum=0"),
         ("optim=adam optim.momentum=0.9", "unknown key 'optim.momentum' Valid keys under optim: beta1, beta2, eps,"),
         ("norm=bn_4things norm.groups=3", "norm.groups=3 does not divide the 4 channels of a normalized layer of "
                                           "model=resnet20"),
-        ("norm=bn_4things norm.ghost_batch=0", "norm=bn_4things (layer four_things): norm.ghost_batch=0 is not valid: "
-                                               "an integer >= 1, or null for the whole batch"),
-        ("norm=bn_4things norm.alpha=2", "norm.alpha must lie in [0, 1], got 2"),
+        ("norm=bn_4things norm.ghost_batch=0", "norm.ghost_batch=0 is not valid: norm.ghost_batch must be an integer "
+                                               ">= 1 (or null)"),
+        ("norm=bn_4things norm.alpha=2", "norm.alpha=2 is not valid: norm.alpha must be a number in [0, 1]"),
         ("norm=bn_4things trainer.batch_size=1", "or bn_4things with norm.groups set"),
     ],
 )
