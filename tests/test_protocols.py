@@ -58,7 +58,7 @@ def test_norm_input_must_be_a_boolean(tmp_path: Path, monkeypatch: pytest.Monkey
                                       capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
     code, out = run_cli(["train", *TINY, "norm=cbn", "norm.input=maybe"], capsys)
-    assert code == 2 and "norm.input must be true or false, got 'maybe'" in out and "Traceback" not in out
+    assert code == 2 and "norm.input='maybe' is not valid: norm.input must be true or false" in out and "Traceback" not in out
 
 
 def modules_of(cfg, kind: type, size: int = 8) -> list[nn.Module]:
