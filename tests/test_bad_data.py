@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from bnexp.data import build_data
+from bnexp.data.cifar import load_cifar
 from bnexp.errors import ConfigError, DataError
 from tests.conftest import read_summary, run_cli, run_dir_of, write_cifar10
 from tests.test_data_sets import imagenet_cfg, mnist_cfg, npz_arrays, write_idx, write_image_folders, write_mnist
@@ -45,6 +46,56 @@ def test_cifar_bad_batch_is_named(tmp_path: Path, entry: dict, message: str) -> 
     with pytest.raises(DataError, match=message) as err:
         build_data(cifar_cfg(tmp_path))
     assert str(path) in str(err.value)
+
+
+class RunsCode:
+    """Unpickled in full, this calls ``exec``, as a hostile data file would: it writes ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def test_cifar_batch_that_would_run_code_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A hand-made CIFAR folder read with data.verify=false (as the docs say to) whose
+    data_batch_1 calls exec when unpickled in full: one line naming the file, exit 2, nothing
+    run and no run folder written."""
+    monkeypatch.chdir(tmp_path)
+    path = write_cifar10(Path("data")) / "data_batch_1"
+    marker = tmp_path / "marker"
+    rewrite_batch(path, labels=RunsCode(marker))
+    code, out = run_cli(["train", "data=cifar10", "data.root=data", "data.download=false", "data.verify=false",
+                         "model.width=4", "trainer.batch_size=25", "trainer.max_steps=2", "trainer.device=cpu"],
+                        capsys)
+    assert not marker.exists(), "the data file's code ran"
+    assert code == 2 and "Traceback" not in out, out
+    lines = [line for line in out.splitlines() if line.startswith("bnexp: error:")]
+    assert lines == [f"bnexp: error: refused data file {path}: unpickling it needs builtins.exec, which a "
+                     "CIFAR batch never holds (only dicts, lists, strings and numpy arrays are read); it may run "
+                     "code, so it is not loaded"], out
+
+
+@pytest.mark.parametrize("writer", ["protocol-2-numpy-1", "protocol-2", "protocol-4", "protocol-5"])
+def test_cifar_batches_of_every_writer_are_read(tmp_path: Path, writer: str) -> None:
+    """The restricted unpickler reads what real CIFAR files and other writers hold: numpy
+    arrays pickled by numpy 1 (``numpy.core``) or 2, bytes from python 3's protocol 2, and
+    protocol 5's buffers."""
+    path = write_cifar10(tmp_path) / "data_batch_2"
+    with open(path, "rb") as f:
+        entry = pickle.load(f)
+    entry = {**entry, "data": np.asarray(entry["data"]), "batch_label": b"training batch 2 of 5"}
+    protocol = 2 if writer.startswith("protocol-2") else int(writer[-1])
+    raw = pickle.dumps(entry, protocol=protocol)
+    if writer == "protocol-2-numpy-1":
+        assert b"numpy._core.multiarray\n_reconstruct" in raw
+        raw = raw.replace(b"numpy._core.multiarray\n", b"numpy.core.multiarray\n")
+    path.write_bytes(raw)
+    data = load_cifar(cifar_cfg(tmp_path))
+    assert (data.x_train[20:40].reshape(20, -1).numpy() == entry["data"]).all()
+    assert data.y_train[20:40].tolist() == entry["labels"]
 
 
 def test_cifar_checksum_names_the_file(tmp_path: Path) -> None:

@@ -4,7 +4,9 @@ Each batch file is a pickled dict whose ``data`` is ``N x 3072`` uint8 (3 x 32 x
 per image) and whose ``labels`` (CIFAR-100: ``fine_labels``) holds one label per image.
 With ``data.verify`` (the default) every file's md5 is compared with the official release
 first; a file that cannot be unpickled, holds images of the wrong size, or labels that do
-not match its images stops with a DataError naming it.
+not match its images stops with a DataError naming it. The files are unpickled by
+:class:`BatchUnpickler`, which builds nothing but numpy arrays and python's own containers,
+so a hostile file (even read with ``data.verify=false``) cannot run code.
 """
 
 from __future__ import annotations
@@ -39,9 +41,40 @@ def cifar_files(cfg: Mapping[str, Any]) -> DataFiles:
     return _files(cls, Path(str(cfg["root"])).expanduser(), label)
 
 
+# What a CIFAR batch's pickle may name: how numpy rebuilds an array (numpy 1 and 2 module
+# names, protocol 5's buffer path) and how python 3 writes bytes in protocol 2.
+BATCH_GLOBALS = frozenset({
+    ("numpy", "ndarray"), ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+    ("_codecs", "encode"),
+})
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A pickle asked for a callable that a CIFAR batch never holds."""
+
+
+class BatchUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only :data:`BATCH_GLOBALS`: dicts, lists, strings, bytes,
+    numbers and numpy arrays come out; anything that could run code is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in BATCH_GLOBALS:
+            raise RefusedGlobal(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
 def _unpickle(path: Path) -> object:
+    """One batch file's pickle, through :class:`BatchUnpickler`; a refused name is a DataError."""
     with open(path, "rb") as f:
-        return pickle.load(f, encoding="latin1")
+        try:
+            return BatchUnpickler(f, encoding="latin1").load()
+        except RefusedGlobal as err:
+            raise DataError(
+                f"refused data file {path}: unpickling it needs {err}, which a CIFAR batch never holds "
+                "(only dicts, lists, strings and numpy arrays are read); it may run code, so it is not loaded"
+            ) from None
 
 
 def _read_batch(path: Path, labels_key: str, num_classes: int, label: str) -> tuple[np.ndarray, np.ndarray]:

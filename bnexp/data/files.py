@@ -79,9 +79,12 @@ def verify_release(data: DataFiles) -> None:
 
 
 def read_file(path: Path, read: Callable[[Path], T]) -> T:
-    """``read(path)``; any failure becomes a :class:`DataError` naming the file."""
+    """``read(path)``; any failure becomes a :class:`DataError` naming the file (one that
+    ``read`` raises itself is passed on)."""
     try:
         return read(path)
+    except DataError:
+        raise
     except Exception as err:
         raise DataError(f"corrupt or truncated data file {path}: {type(err).__name__}: {err}") from err
 
