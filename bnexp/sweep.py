@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 
 from bnexp.checkpoint import FINAL, read_config, resume_candidates, verified_bytes
 from bnexp.config import lr_not_applicable
+from bnexp.data.files import identity_problem
 from bnexp.errors import EXIT_FAILED, ConfigError, OtherRunThere
 from bnexp.identity import cell_name, differences, fingerprint, override_key, run_differences
 from bnexp.runinfo import read_run_json
@@ -166,13 +167,17 @@ RESULT_TYPES = {"config": ((dict,), "a mapping of settings"), "final_top1": ((in
 
 def stored_result(path: Path) -> dict[str, Any]:
     """A run's summary.json as :func:`skip_reason` and the studies read it; a ConfigError
-    naming the file if it is damaged (:func:`read_run_json`) or a value of
-    :data:`RESULT_TYPES` is of another type."""
+    naming the file if it is damaged (:func:`read_run_json`), a value of
+    :data:`RESULT_TYPES` is of another type, or its record of the data files is not one
+    (:func:`~bnexp.data.files.identity_problem`)."""
     summary = read_run_json(path)
     for key, (types, what) in RESULT_TYPES.items():
         value = summary.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
             raise ConfigError(f"damaged summary.json {path}: its {key} is a JSON {type(value).__name__}, not {what}")
+    problem = identity_problem(summary.get("data_files", {}))
+    if problem:
+        raise ConfigError(f"damaged summary.json {path}: its data_files {problem}")
     return summary
 
 

@@ -348,11 +348,15 @@ def test_study_run_with_damaged_probes_is_one_line(kind: str, candidate: Path,
     assert files_of(candidate.parents[2]) == before
 
 
+DATA_FILES_A_LIST = "its data_files is a list, not a mapping of file paths to their size and digest"
 # A value of a summary.json replaced with another type: (key, value, the warning expected).
 WRONG_TYPES = {
     "settings a list": ("config", ["model"], "its config is a JSON list, not a mapping of settings"),
     "final_top1 a word": ("final_top1", "abc", "its final_top1 is a JSON str, not a number"),
     "num_classes a bool": ("num_classes", True, "its num_classes is a JSON bool, not a whole number"),
+    "data_files a list": ("data_files", ["x"], DATA_FILES_A_LIST),
+    "a data_files entry a word": ("data_files", {"d.npz": "abc"}, "its data_files entry 'd.npz' is 'abc', not a "
+                                  "mapping of a whole-number size and mtime_ns and an md5 or sha256 string"),
 }
 
 
@@ -379,6 +383,21 @@ def test_run_with_a_damaged_summary_is_trained_again_with_a_warning(kind: str, r
         assert f"{folder / 'summary.json'}: {reason}" in out, out  # train names it in full
         assert "; not taken as a finished run" in out
         assert json.loads((folder / "summary.json").read_text())["status"] == "completed"
+
+
+def test_checkpoint_with_a_damaged_data_record_is_not_resumed(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A stopped run's periodic checkpoint whose record of the data files is a list (with a
+    matching .sha256): the same command refuses to resume from it in one line naming the
+    damage, exit 2, the checkpoint kept."""
+    periodic = as_preempted(run)
+    rewrite(periodic, {"data_files": ["x"]})
+    before = files_of(run / checkpoint.CHECKPOINT_DIR)
+    code, out = run_cli(["train", *TINY], capsys)
+    assert code == EXIT_CONFIG and "Traceback" not in out, out
+    assert error_lines(out) == [f"bnexp: error: {periodic.resolve()} was written by a run with other settings (the record of "
+                                f"its data files is damaged: {DATA_FILES_A_LIST}): run with trainer.resume=never to "
+                                "start over in this directory, or use another one"], out
+    assert files_of(run / checkpoint.CHECKPOINT_DIR) == before
 
 
 @pytest.mark.parametrize("kind", DAMAGED_JSON)

@@ -128,13 +128,34 @@ def identify(files: Iterable[DataFile], verified: bool) -> dict[str, dict[str, A
     return found
 
 
-def changed_files(recorded: Mapping[str, Mapping[str, Any]] | None) -> list[str]:
+def identity_problem(recorded: object) -> str:
+    """Why ``recorded`` (read back from a summary or checkpoint) is not an identity as
+    :func:`identify` writes it, as words that follow "its data_files"; empty if it is one."""
+    if not isinstance(recorded, Mapping):
+        return f"is a {type(recorded).__name__}, not a mapping of file paths to their size and digest"
+    for name, entry in recorded.items():
+        fields = entry if isinstance(entry, Mapping) else {}
+        whole = all(isinstance(fields.get(key), int) and not isinstance(fields.get(key), bool)
+                    for key in ("size", "mtime_ns"))
+        if not isinstance(name, str) or not whole or not any(isinstance(fields.get(a), str) for a in ("md5", "sha256")):
+            return (f"entry {name!r} is {entry!r:.60}, not a mapping of a whole-number size and mtime_ns "
+                    "and an md5 or sha256 string")
+    return ""
+
+
+def changed_files(recorded: object) -> list[str]:
     """The files of an identity :func:`identify` recorded whose content differs now, each as
     ``path: <size and digest> there, <now> here``. A file with its recorded size and
     modification time is taken as unchanged (not hashed again); a file now missing is not
-    compared (reading it would fail)."""
+    compared (reading it would fail). A damaged record (:func:`identity_problem`) is itself
+    the difference: the data it was made from cannot be told."""
+    if recorded is None:
+        return []
+    problem = identity_problem(recorded)
+    if problem:
+        return [f"the record of its data files is damaged: its data_files {problem}"]
     changes = []
-    for name, there in (recorded or {}).items():
+    for name, there in recorded.items():
         path = Path(name)
         if not path.is_file():
             continue
