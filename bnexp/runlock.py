@@ -11,6 +11,12 @@ owner, the processes it forks (DataLoader workers) and, for ``trainer.nproc>1``,
 agent and every rank (:func:`join_held_lock`). The kernel drops a process's hold when it
 exits, however it exits, so a lock whose owner is gone is only stale once no process holds
 it: a re-run waits up to :data:`STALE_WAIT` seconds for them, then stops with exit 4.
+
+The lock file is opened read-write wherever it is flocked: Linux's NFS client emulates
+``flock`` with byte-range locks, and those need a descriptor open for reading (shared) or
+writing (exclusive). Byte-range locks are not inherited across ``fork``, so on NFS the
+processes a run forks (DataLoader workers) do not hold it; the ones that join it
+explicitly (torchrun's agent, the ranks) do.
 """
 
 from __future__ import annotations
@@ -61,10 +67,19 @@ def _share(fd: int) -> None:
         log.debug("no flock on the run lock (%s): only its owner's PID is checked", err)
 
 
+def _open_for_flock(path: Path) -> int:
+    """``path`` open read-write, as an exclusive flock on NFS needs it (read-only where this
+    user may not write it: a lock of another user's run, which is then checked locally only)."""
+    try:
+        return os.open(path, os.O_RDWR)
+    except PermissionError:
+        return os.open(path, os.O_RDONLY)
+
+
 def _unheld(path: Path, wait: float) -> bool:
     """Whether no process holds ``path``'s flock, waiting up to ``wait`` seconds for them to go."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = _open_for_flock(path)
     except FileNotFoundError:
         return True  # cleared by another process meanwhile: the caller's rename finds out
     try:
@@ -134,7 +149,7 @@ class RunLock:
         me = {"pid": os.getpid(), "host": socket.gethostname()}
         for _ in range(2):  # a second try after clearing a stale lock
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)  # read: its flock on NFS
             except FileExistsError:
                 self._clear_stale(me["host"])
                 continue

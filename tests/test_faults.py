@@ -5,6 +5,8 @@ Each test is named in docs/resilience.md's fault table.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -15,13 +17,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from bnexp import checkpoint
+from bnexp import checkpoint, runlock
 from bnexp.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_PREEMPTED, ConfigError
 from bnexp.identity import NEUTRAL_SINCE_ADDED, cell_name, fingerprint, run_name
 from bnexp.runlock import LOCK_NAME
@@ -207,6 +210,34 @@ def test_lock_is_released_however_the_run_ends(tmp_path: Path, capsys: pytest.Ca
     assert run_cli(train_args(tmp_path / "ok"), capsys)[0] == 0
     assert run_cli(train_args(tmp_path / "bad", "trainer.batch_size=100"), capsys)[0] == EXIT_CONFIG  # > 64 images
     assert not (tmp_path / "ok" / "run" / LOCK_NAME).exists() and not (tmp_path / "bad" / "run" / LOCK_NAME).exists()
+
+
+def nfs_flock(flock: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    """``flock`` with the rule of Linux's NFS client, which emulates it with byte-range locks:
+    a shared lock needs a descriptor open for reading, an exclusive one for writing (EBADF)."""
+    def checked(fd: int, operation: int) -> None:
+        mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+        needs = os.O_WRONLY if operation & fcntl.LOCK_EX else os.O_RDONLY
+        if mode not in (needs, os.O_RDWR):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        flock(fd, operation)
+    return checked
+
+
+def test_run_lock_descriptors_suit_nfs_flock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lock file's descriptors are open for what NFS's flock needs: the owner's shared
+    lock is taken, and a re-run taking over a dead owner's lock sees it still held. This
+    checks the open modes against NFS's rule on a local file system (``nfs_flock``); it does
+    not run on NFS, and says nothing of the locks NFS does not pass on to forked processes."""
+    monkeypatch.setattr(fcntl, "flock", nfs_flock(fcntl.flock))
+    monkeypatch.setattr(runlock, "STALE_WAIT", 0.3)
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    with runlock.RunLock(tmp_path) as held:  # still holds its flock when its PID is gone:
+        (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+        with pytest.raises(runlock.RunLocked, match="is still being written by processes of the run of process"):
+            runlock.RunLock(tmp_path).acquire()
+        assert held.held and (tmp_path / LOCK_NAME).exists()
 
 
 # ---- 3. faults survived ------------------------------------------------------------------
