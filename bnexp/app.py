@@ -26,7 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from bnexp.commands import print_error
+from bnexp.commands import print_error, print_warning
 from bnexp.config import config_dir, meaningless, register_resolvers, validate
 from bnexp.distributed import from_environment
 from bnexp.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, ConfigError
@@ -121,6 +121,9 @@ def train_job(cfg: DictConfig) -> float:
     return guarded([run_dir], sweeping, single)[0]
 
 
+ENDED = ("completed", "diverged")  # the statuses of a run that a signal cannot leave unfinished
+
+
 def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[str, Any]]]) -> list[Any]:
     """Run ``work`` (the (status, value) of each of ``run_dirs``), recording each outcome in
     the sweep's ledger; returns the values (:func:`result_value`), NaN for a run that failed."""
@@ -130,10 +133,15 @@ def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[
     try:
         outcomes = work()
     except Preempted as err:
-        for run_dir in run_dirs:  # a run may have diverged before the signal, or completed as it came
-            finished = stored_summary(run_dir).get("status")
-            record(run_dir, finished if finished in ("diverged", "completed") else err.status, str(err))
-        report_error(f"{err}; re-run the same command to resume {where}")
+        # A run may have diverged before the signal, or completed as it came.
+        statuses = [stored_summary(run_dir).get("status") for run_dir in run_dirs]
+        for run_dir, status in zip(run_dirs, statuses):
+            record(run_dir, status if status in ENDED else err.status, str(err))
+        if all(status in ENDED for status in statuses):
+            print_warning(f"{where} {' / '.join(dict.fromkeys(statuses))}, nothing to resume; {err.signal_name} "
+                          "came as it ended and stopped the command")
+        else:
+            report_error(f"{err}; re-run the same command to resume {where}")
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         for run_dir in run_dirs:

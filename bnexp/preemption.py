@@ -31,7 +31,7 @@ class Preempted(Exception):
     def __init__(self, signum: int) -> None:
         name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
         super().__init__(f"stopped by {name} after writing a checkpoint")
-        self.signum = signum
+        self.signum, self.signal_name = signum, name
         self.status = "interrupted" if signum == signal.SIGINT else "preempted"
         self.exit_code = STOP_EXIT_CODES[self.status]
 

@@ -491,16 +491,20 @@ def test_each_adhoc_sweep_has_its_own_folder(tmp_path: Path, monkeypatch: pytest
 def test_sigterm_while_the_final_checkpoint_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The signal waits for the final checkpoint: the run completes, leaves no lock and no
-    temporary file, the process exits 75 as on any SIGTERM, and the re-run skips the run,
-    whose result is an uninterrupted run's."""
+    temporary file, the process exits 75 as on any SIGTERM with one line saying the run
+    completed (not that it can be resumed), and the re-run skips the run, whose result is an
+    uninterrupted run's."""
     args = ["train", *TINY, *STEPS]
     for name in ("signalled", "reference"):
         (tmp_path / name).mkdir()
     done = subprocess.run([*HOOKED, "sigterm-in-final-save", *args], cwd=tmp_path / "signalled", capture_output=True,
                           text=True)
     assert done.returncode == EXIT_PREEMPTED, done.stderr[-3000:]
-    assert "stopped by SIGTERM" in done.stderr and "Traceback" not in done.stderr
     run = only_run(tmp_path / "signalled")
+    assert [line for line in done.stderr.splitlines() if line.startswith("bnexp:")] == [
+        f"bnexp: warning: {run} completed, nothing to resume; SIGTERM came as it "
+        "ended and stopped the command"], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
     assert read_summary(run)["status"] == "completed"
     assert not list(run.rglob("*.tmp")) and not (run / LOCK_NAME).exists()
     monkeypatch.chdir(tmp_path / "signalled")
