@@ -82,12 +82,19 @@ def follow_launcher() -> None:
 
 def agent_main() -> None:
     """torchrun's agent, started by :func:`run_under_torchrun`: it dies with the launcher and
-    tells the ranks it starts to die with it."""
+    tells the ranks it starts to die with it. A failed rank ends it with that rank's exit
+    code (128 + N for signal N), without the traceback of torchrun's ChildFailedError: its
+    log has named the rank already, and the launcher sums up in one line."""
     follow_launcher()
     os.environ[PARENT_ENV] = str(os.getpid())  # the ranks' parent
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except ChildFailedError as err:
+        code = err.get_first_failure()[1].exitcode
+        sys.exit(code if code > 0 else 128 - code)
 
 
 def check_gpus(nproc: int, device: str) -> None:

@@ -264,6 +264,21 @@ def test_frozen_rank_ends_the_run_within_its_timeout(tmp_path: Path) -> None:
     assert code != 0
     assert f"did not answer for trainer.dist_timeout={timeout} s" in err, err[-3000:]
     assert err.rstrip().splitlines()[-1].startswith("bnexp: error: the 2 processes of"), err[-3000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_failed_ranks_end_without_torchrun_traceback(tmp_path: Path) -> None:
+    """The ranks of the README's command stop with bnexp's exit 2 (trainer.init_from names a
+    file that is no checkpoint): torchrun's log names the failed rank, and the launcher ends
+    with that exit code and its one line, without torchrun's ChildFailedError traceback."""
+    (tmp_path / "weights.pt").write_bytes(b"not a checkpoint")
+    with launched(tmp_path, "trainer.init_from=weights.pt") as proc:
+        code, err = finish(proc)
+    assert code == 2, err[-3000:]
+    assert "failed (exitcode: 2) local_rank:" in err, err[-3000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
+    assert err.rstrip().splitlines()[-1].startswith("bnexp: error: the 2 processes of"), err[-3000:]
 
 
 @pytest.mark.slow
