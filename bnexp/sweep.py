@@ -175,7 +175,7 @@ def stored_result(path: Path) -> dict[str, Any]:
         value = summary.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
             raise ConfigError(f"damaged summary.json {path}: its {key} is a JSON {type(value).__name__}, not {what}")
-    problem = identity_problem(summary.get("data_files", {}))
+    problem = identity_problem(summary.get("data_files"))
     if problem:
         raise ConfigError(f"damaged summary.json {path}: its data_files {problem}")
     return summary

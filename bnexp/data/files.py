@@ -130,7 +130,10 @@ def identify(files: Iterable[DataFile], verified: bool) -> dict[str, dict[str, A
 
 def identity_problem(recorded: object) -> str:
     """Why ``recorded`` (read back from a summary or checkpoint) is not an identity as
-    :func:`identify` writes it, as words that follow "its data_files"; empty if it is one."""
+    :func:`identify` writes it, as words that follow "its data_files"; empty if it is one, or
+    ``None`` (not recorded, as by bnexp before data files were)."""
+    if recorded is None:
+        return ""
     if not isinstance(recorded, Mapping):
         return f"is a {type(recorded).__name__}, not a mapping of file paths to their size and digest"
     for name, entry in recorded.items():
@@ -149,13 +152,11 @@ def changed_files(recorded: object) -> list[str]:
     modification time is taken as unchanged (not hashed again); a file now missing is not
     compared (reading it would fail). A damaged record (:func:`identity_problem`) is itself
     the difference: the data it was made from cannot be told."""
-    if recorded is None:
-        return []
     problem = identity_problem(recorded)
     if problem:
         return [f"the record of its data files is damaged: its data_files {problem}"]
     changes = []
-    for name, there in recorded.items():
+    for name, there in (recorded or {}).items():
         path = Path(name)
         if not path.is_file():
             continue
