@@ -42,6 +42,12 @@ NEUTRAL_SINCE_ADDED: dict[str, Any] = {
     "model.init_scale": 1,         # the model's own initialization, unscaled (2026-11-24)
     "schedule.warmup_unit": None,  # the warmup counted in schedule.unit (2026-11-24)
 }
+# Tables that a preset's interpolations read (``${oc.select:lookup.warmup.${norm.name}...}``):
+# what a run takes from them is in the keys that read them, so the tables themselves are
+# left out of the fingerprint (a run that uses none of their entries computes what it did
+# before they existed). They stay in run names: an override of one is a choice on the
+# command line.
+LOOKUP_KEYS = ("lookup",)
 # Group choices left out of the names of a sweep's cells (:func:`cell_name`) only: a preset
 # names its own sweep folder, and what either sets is in the config (so in the fingerprint).
 PRESET_KEYS = ("experiment", "scale")
@@ -100,7 +106,7 @@ def result_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """The resolved config as dotted keys, without the settings that do not change the result."""
     tree = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     tree.pop("hydra", None)
-    flat = {k: _canonical(v) for k, v in flatten(tree).items() if not _covered(k, NON_RESULT_KEYS)}
+    flat = {k: _canonical(v) for k, v in flatten(tree).items() if not _covered(k, NON_RESULT_KEYS + LOOKUP_KEYS)}
     return {k: v for k, v in flat.items() if k not in NEUTRAL_SINCE_ADDED or v != NEUTRAL_SINCE_ADDED[k]}
 
 

@@ -139,13 +139,18 @@ def test_brn_schedule_numbers_are_settings_and_the_forward_uses_them():
     for got, want in zip(outs, ref):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert BatchRenorm2d(3, **NO_SCHEDULE).limits() == (3.0, 5.0)  # no schedule
-    assert BatchRenorm2d(3, r_max=None, d_max=None).limits() == (math.inf, math.inf)  # TensorFlow: no clipping
+    unclipped = BatchRenorm2d(3, r_max=None, d_max=None, relax_start=None, r_max_step=None, d_max_step=None)
+    assert unclipped.limits() == (math.inf, math.inf)  # TensorFlow: no clipping, so no schedule
 
 
 @pytest.mark.parametrize("options,message", [
     ({"r_max_step": 100}, "must not come before relax_start=5000"),
     ({"relax_start": -1}, "relax_start must be a step count >= 0, got -1"),
     ({"r_max": 0.5}, "need r_max >= 1 and d_max >= 0"),
+    ({"r_max": None, "d_max": None}, "relax_start=5000 does nothing when r_max=None and d_max=None"),
+    ({"r_max": None, "r_max_step": None, "d_max_step": None}, "d_max_step must be a step count >= 0, got None"),
+    ({"r_max": None, "relax_start": None, "r_max_step": None}, "relax_start must be a step count >= 0, got None"),
+    ({"d_max": None, "d_max_step": 9}, "d_max_step=9 does nothing when r_max=3.0 and d_max=None"),
 ])
 def test_brn_schedule_rejects_impossible_numbers(options, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
+import re
+import sys
 from pathlib import Path
 
 import tomllib
@@ -95,3 +99,51 @@ def test_imports_point_one_way() -> None:
                         continue  # import bnexp: the package's version
                     if name.startswith(("bnexp.", "hydra_plugins.")):
                         assert layer_of(name) <= layer_of(module), f"{module} imports {name}, a higher layer"
+
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared(extra: str = "dev") -> set[str]:
+    """The distributions pyproject.toml names for ``pip install bnexp[extra]``: the core
+    dependencies, the extra's and those of the bnexp extras it names (not what they pull in)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    names, todo = set(), [*project["dependencies"], *extras[extra]]
+    while todo:
+        requirement = todo.pop()
+        name = canonical(re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0])
+        if name == "bnexp":
+            todo += [r for e in re.search(r"\[(.*)\]", requirement).group(1).split(",") for r in extras[e]]
+        else:
+            names.add(name)
+    return names
+
+
+# Distributions the tests import that come as part of a declared one's own interface.
+PART_OF = {"omegaconf": "hydra-core", "pyyaml": "hydra-core", "pillow": "torchvision"}
+
+
+def test_every_module_the_tests_import_is_declared() -> None:
+    """A third-party module a test imports comes from a distribution that the dev extra
+    declares itself, or one of PART_OF (mpmath came only through torch's sympy before)."""
+    providers = importlib.metadata.packages_distributions()
+    local = {"bnexp", "tests", "hydra_plugins"}
+    assert set(PART_OF.values()) <= declared()
+    missing = {}
+    for path in (ROOT / "tests").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                tops = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                tops = [node.module.split(".")[0]]
+            else:
+                continue
+            for top in tops:
+                if top in sys.stdlib_module_names or top in local or top == "__future__":
+                    continue
+                if not {canonical(d) for d in providers.get(top, [top])} & (declared() | set(PART_OF)):
+                    missing[top] = path.name
+    assert not missing, missing

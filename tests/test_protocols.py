@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from bnexp.models import DataSpec, build_model
-from bnexp.nn import BatchRenorm, BatchRenorm1d, POPNorm2d
+from bnexp.nn import BatchRenorm, BatchRenorm1d, FourThingsBN, POPNorm2d
 from bnexp.optim import build_schedule
 from tests.conftest import TINY, compose_cfg, run_cli
 
@@ -152,6 +152,44 @@ def test_bnp_gn_initializes_he_normal_scaled(preset: str, scale: float) -> None:
 def test_bad_warmup_unit_init_scale_or_renorm_schedule_is_one_line(
         overrides: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out = run_cli(["train", *TINY, *overrides], capsys)
+    assert code == 2 and message in out and "Traceback" not in out, out
+
+
+@pytest.mark.parametrize("norm", ["none", "bn", "bnp", "brn", "ln"])
+def test_bnp_fc_nets_keep_every_bias(norm: str) -> None:
+    """BNP's eq. (2), h = g(W B(h) + b): the normalization after the activation does not
+    cancel b, and Appendix B initializes it to zero in every fully connected net."""
+    cfg = compose_cfg(["experiment=bnp/fc", f"norm={norm}", "paper_data=cifar10", "trainer.batch_size=6"])
+    linears = modules_of(cfg, nn.Linear)
+    assert len(linears) == 4 and all(m.bias is not None for m in linears), norm
+
+
+@pytest.mark.parametrize("groups", ["null", "4"])
+def test_bnp_cnn5_bn_4things_keeps_its_biases_and_its_authors_eps(groups: str) -> None:
+    """Batch-group normalization pools channel groups, so a conv's per-channel bias is not
+    cancelled; the authors' Keras net has one in every conv and dense layer. Its eps and
+    momentum are the authors' 1e-5 and 0.01, not TensorFlow's defaults of the other norms."""
+    cfg = compose_cfg(["experiment=bnp/cnn5", "norm=bn_4things", "trainer.batch_size=2", f"norm.groups={groups}"])
+    ops = modules_of(cfg, nn.Conv2d, 32) + modules_of(cfg, nn.Linear, 32)
+    assert len(ops) == 5 and all(m.bias is not None for m in ops)
+    norms = modules_of(cfg, FourThingsBN, 32)
+    assert norms and all((m.eps, m.momentum) == (1e-5, 0.01) for m in norms)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["experiment=bnp/cnn5", "norm=bn", "norm.r_max=3"], "unknown key 'norm.r_max'"),
+    (["experiment=bnp/fc", "norm=none", "norm.eps=0.001"], "unknown key 'norm.eps'"),
+    (["experiment=bnp/hessian", "norm=bnp", "norm.momentum=0.1"], "unknown key 'norm.momentum'"),
+    (["experiment=bnp/cnn5", "norm=brn", "trainer.batch_size=2", "norm.relax_start=100"],
+     "relax_start=100 does nothing when r_max=None and d_max=None"),
+])
+def test_bnp_tensorflow_presets_refuse_settings_a_norm_would_ignore(
+        overrides: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The TensorFlow defaults give each norm only the keys its layer reads, and batch renorm
+    without clipping has no schedule: a setting that would do nothing is one line, exit 2."""
     monkeypatch.chdir(tmp_path)
     code, out = run_cli(["train", *TINY, *overrides], capsys)
     assert code == 2 and message in out and "Traceback" not in out, out

@@ -11,6 +11,24 @@ from torch import Tensor
 from bnexp.nn._base import FEATURES, IMAGES, ChannelNorm, affine, check_fraction, widen
 
 
+def _check_schedule(r_max: Optional[float], d_max: Optional[float], relax_start: Optional[int],
+                    r_max_step: Optional[int], d_max_step: Optional[int]) -> None:
+    """Each step of the schedule a clipping limit uses is a step count >= 0, the ends not
+    before ``relax_start``; a step no limit uses (its limit None) must be None."""
+    steps = {"relax_start": (relax_start, r_max is not None or d_max is not None),
+             "r_max_step": (r_max_step, r_max is not None), "d_max_step": (d_max_step, d_max is not None)}
+    for name, (step, used) in steps.items():
+        if not used and step is not None:
+            raise ValueError(f"{name}={step!r} does nothing when r_max={r_max} and d_max={d_max} "
+                             f"(null: never clipped): set it to null")
+        if used and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"{name} must be a step count >= 0, got {step!r}")
+    ends = {name: step for name, (step, used) in steps.items() if used and name != "relax_start"}
+    if relax_start is not None and any(step < relax_start for step in ends.values()):
+        raise ValueError(f"{' and '.join(f'{k}={v}' for k, v in ends.items())} must not come before "
+                         f"relax_start={relax_start}")
+
+
 class BatchRenorm(ChannelNorm):
     """``y = gamma * ((x - mu_B) / sigma_B * r + d) + beta``; use the 1d/2d subclasses.
 
@@ -24,7 +42,9 @@ class BatchRenorm(ChannelNorm):
     (plain BN) up to step ``relax_start``, then linearly to the given ``r_max`` at step
     ``r_max_step`` and the given ``d_max`` at step ``d_max_step``, constant after (the
     paper's 5,000, 40,000 and 25,000 steps for 3 and 5). ``r_max=None`` / ``d_max=None``:
-    that ratio is never clipped (TensorFlow's default ``renorm_clipping=None``).
+    that ratio is never clipped (TensorFlow's default ``renorm_clipping=None``); the steps of
+    a limit that is never applied must be None too (``relax_start`` when neither is), so a
+    schedule that would do nothing is refused rather than ignored.
     """
 
     def __init__(
@@ -34,21 +54,16 @@ class BatchRenorm(ChannelNorm):
         d_max: Optional[float] = 5.0,
         momentum: float = 0.01,
         eps: float = 1e-5,
-        relax_start: int = 5000,
-        r_max_step: int = 40000,
-        d_max_step: int = 25000,
+        relax_start: Optional[int] = 5000,
+        r_max_step: Optional[int] = 40000,
+        d_max_step: Optional[int] = 25000,
         sync: bool = False,
     ) -> None:
         super().__init__(num_features, eps, sync)
         if (r_max is not None and r_max < 1) or (d_max is not None and d_max < 0):
             raise ValueError(f"need r_max >= 1 and d_max >= 0 (or null: no clipping), got r_max={r_max}, "
                              f"d_max={d_max}")
-        for name, step in (("relax_start", relax_start), ("r_max_step", r_max_step), ("d_max_step", d_max_step)):
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-                raise ValueError(f"{name} must be a step count >= 0, got {step!r}")
-        if min(r_max_step, d_max_step) < relax_start:
-            raise ValueError(f"r_max_step={r_max_step} and d_max_step={d_max_step} must not come before "
-                             f"relax_start={relax_start}")
+        _check_schedule(r_max, d_max, relax_start, r_max_step, d_max_step)
         check_fraction("momentum", momentum)
         self.r_max = None if r_max is None else float(r_max)
         self.d_max = None if d_max is None else float(d_max)
@@ -65,7 +80,7 @@ class BatchRenorm(ChannelNorm):
             f"d_max_step={self.d_max_step}"
         )
 
-    def _relaxed(self, end: int) -> Tensor:
+    def _relaxed(self, end: Optional[int]) -> Tensor:
         """How far the coming step is from ``relax_start`` (0) to ``end`` (1), clamped."""
         step = self.num_batches_tracked.to(self.running_std.dtype)
         if end == self.relax_start:

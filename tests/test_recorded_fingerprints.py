@@ -1,0 +1,68 @@
+"""The fingerprints of the presets' runs, recorded before issue 25's corrections: a preset
+cell that computes what it did then keeps its fingerprint, so its finished runs are still
+found complete (``bnexp.identity.NEUTRAL_SINCE_ADDED``, ``LOOKUP_KEYS``, and per-norm
+settings given only to the norms that read them, ``configs/norm_defaults_layer/``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from bnexp.identity import cell_name, fingerprint, override_key, short_hash
+from bnexp.report.presets import job_configs, load_preset, preset_names
+
+RECORD = Path(__file__).parent / "data" / "fingerprints_before_issue25.json"
+HOW = ("cell_fingerprints of every preset under commit c76dbb4 (before issue 25), made once by "
+       "`git worktree add /tmp/old c76dbb4; PYTHONPATH=/tmp/old python tests/test_recorded_fingerprints.py "
+       "> tests/data/fingerprints_before_issue25.json` (this file's functions, the old bnexp and configs)")
+# The cells whose computation issue 25 changed on purpose, and the cells it added or removed.
+CHANGED = {
+    "bnp/fc": {  # TensorFlow's BN / batch renorm / LN defaults, post-activation with biases (BNP eq. 2)
+        f"norm={norm},paper_data={data},trainer.batch_size={batch}"
+        for norm, data, batch in [("bn", "mnist", 60), ("bn", "cifar10", 60), ("bn", "cifar10", 6),
+                                  ("brn", "cifar10", 6), ("ln", "mnist", 60), ("ln", "cifar10", 60),
+                                  ("ln", "cifar10", 6), ("ln", "cifar10", 1)]},
+    "bnp/cnn5": {
+        "norm=bn,trainer.batch_size=128", "norm=bn,trainer.batch_size=2",  # TensorFlow's BN
+        "norm=brn,trainer.batch_size=2",  # TensorFlow's batch renorm (no clipping)
+        "norm=none,trainer.batch_size=128", "norm=none,optim=adam,trainer.batch_size=128",  # Adam for vanilla
+        "norm=bn_4things,optim=adam,trainer.batch_size=128",  # BN with 4 things, new
+        "norm.groups=4,norm=bn_4things,optim=adam,trainer.batch_size=2",
+        "norm.groups=4,norm=bn_4things,optim=adam,trainer.batch_size=1"},
+    "bnp/timing": {f"norm=bn,trainer.batch_size={batch}" for batch in (16, 256, 512)},  # TensorFlow's BN
+    "bnp/resnet110": {"norm=bn", "norm=bnp_gn"},  # He et al.'s warmup; He-normal x 0.1
+    "bnp/preact110": {"norm=bn", "norm=bnp_gn"},  # He et al.'s warmup; He-normal x 0.4
+    "popnorm/ablation": {f"act={act},pop_part=mean_only" for act in ("relu", "sigmoid", "tanh")},  # kappa 1
+}
+
+
+def cell_fingerprints(name: str) -> dict[str, str]:
+    """Each sweep cell of preset ``name`` (its runs but the seed) and a hash of its runs'
+    fingerprints, in seed order."""
+    p = load_preset(name)
+    runs: dict[str, list[tuple[str, str]]] = {}
+    for job, cfg in zip(p.jobs, job_configs(name, "full", p.jobs)):
+        seed = ",".join(o for o in job if override_key(o) == "trainer.seed")
+        cell = cell_name([o for o in job if override_key(o) != "trainer.seed"])
+        runs.setdefault(cell, []).append((seed, fingerprint(cfg)))
+    return {cell: short_hash(",".join(fp for _, fp in sorted(seen))) for cell, seen in sorted(runs.items())}
+
+
+@pytest.mark.slow
+def test_unchanged_cells_keep_their_fingerprints() -> None:
+    """Every cell of every preset has the fingerprints it had before issue 25, except the
+    cells listed in CHANGED, and each of those differs (or is new, or gone)."""
+    before = json.loads(RECORD.read_text())["presets"]
+    assert set(before) <= set(preset_names())
+    for name in preset_names():
+        now, then = cell_fingerprints(name), before.get(name, {})
+        differ = {cell for cell in set(now) | set(then) if now.get(cell) != then.get(cell)}
+        assert differ == CHANGED.get(name, set()), name
+
+
+if __name__ == "__main__":  # the recording (HOW)
+    json.dump({"how": HOW, "presets": {name: cell_fingerprints(name) for name in preset_names()}},
+              sys.stdout, indent=0, sort_keys=True)
