@@ -91,9 +91,9 @@ class NormKeys(TypedDict, total=False):
     momentum: Fraction
     r_max: Optional[Annotated[float, Field(ge=1)]]  # null: never clipped
     d_max: Optional[NonNegative]
-    relax_start: Amount
-    r_max_step: Amount
-    d_max_step: Amount
+    relax_start: Optional[Amount]  # null: no schedule (a limit that is never applied)
+    r_max_step: Optional[Amount]
+    d_max_step: Optional[Amount]
     groups: Optional[Count]  # null: bn_4things's one channel per group
     ghost_batch: Optional[Count]
     affine_decay: NonNegative
@@ -213,13 +213,6 @@ class ProbeKeys(TypedDict, total=False):
 
 
 @with_config(STRICT)
-class WarmupKeys(TypedDict, total=False):
-    warmup: NonNegative
-    unit: choice(UNITS)
-    mode: choice(WARMUPS)
-
-
-@with_config(STRICT)
 class TrainKeys(TypedDict, total=False):
     model: ModelKeys
     norm: NormKeys
@@ -233,8 +226,8 @@ class TrainKeys(TypedDict, total=False):
     probes: list[str]
     tags: dict[str, Any]
     weight_decay_by_norm: dict[str, NonNegative]  # the BNP presets' settings per norm
-    init_scale_by_norm: dict[str, Positive]
-    warmup_by_norm: dict[str, WarmupKeys]
+    norm_defaults: dict[str, Any]  # configs/norm_defaults/: its options hold no keys (they choose files)
+    lookup: dict[str, Any]  # tables preset keys read (bnexp.identity.LOOKUP_KEYS); the keys they set are checked
 
 
 SCHEMA = TypeAdapter(TrainKeys)
