@@ -181,7 +181,11 @@ def check_output(cfg: DictConfig, task: list[str], multirun: bool) -> None:
     """The run's (or the sweep's) output folder can be written."""
     bind(cfg, task)
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    ensure_writable(Path(os.path.expanduser(str(OmegaConf.select(cfg, key)))), key)
+    try:
+        folder = OmegaConf.select(cfg, key)
+    except OmegaConfBaseException as err:  # ${nope.nope}, or the key naming itself
+        raise ConfigError(f"{key} cannot be resolved: {str(err).splitlines()[0]}") from None
+    ensure_writable(Path(os.path.expanduser(str(folder))), key)
 
 
 def check_names(cfg: DictConfig) -> None:

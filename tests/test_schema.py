@@ -42,6 +42,8 @@ BAD_VALUES = [
     ("data.num_workers=-1", "data.num_workers=-1 is not valid: data.num_workers must be an integer >= 0"),
     # a page of OmegaConf's traceback
     ("optim.lr=${nope.nope}", "optim.lr=${nope.nope} cannot be resolved: Interpolation key 'nope.nope' not found"),
+    ("hydra.run.dir=${nope.nope}", "hydra.run.dir cannot be resolved: Interpolation key 'nope.nope' not found"),
+    ("hydra.run.dir=${hydra.run.dir}", "hydra.run.dir cannot be resolved"),
     ("optim.lr=${optim.lr}", "optim.lr=${optim.lr} cannot be resolved: Recursive interpolation detected"),
 ]
 
