@@ -100,10 +100,10 @@ class Accelerated(nn.Module):
         for group in optimizer.param_groups:  # again after a checkpoint restored float rates
             if not isinstance(group["lr"], Tensor):
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64)
-        if self._creates_state(optimizer):
-            optimizer.step()
-            return
         if self._step is None or self._step[0] is not optimizer:
+            if self._creates_state(optimizer):  # checked until the step is compiled, not every step
+                optimizer.step()
+                return
             self._step = (optimizer, torch.compile(optimizer.step))
         self._step[1]()
 
