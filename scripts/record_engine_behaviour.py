@@ -1,0 +1,36 @@
+"""Record what the training engine writes for a set of tiny runs and packs (issue 26).
+
+Run on the tree before a refactor of the engine; ``tests/test_engine_recorded.py`` reruns the
+same cases and compares every metric row, the summary and the checkpoint's keys bit for bit.
+It also keeps one checkpoint per case written before the refactor, which the test resumes.
+Usage: python scripts/record_engine_behaviour.py tests/data/engine_before_issue26
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.engine_cases import CASES, observe, run_case  # noqa: E402
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    recorded = {}
+    for name in CASES:
+        with tempfile.TemporaryDirectory() as tmp:
+            dirs = run_case(name, Path(tmp))
+            recorded[name] = observe(dirs)
+            for i, d in enumerate(dirs):  # the mid-run checkpoint, for the resume test
+                first = sorted(d.glob("checkpoints/step-*.pt"))[0]
+                shutil.copy(first, out / f"{name}.{i}.pt")
+                shutil.copy(first.with_name(first.name + ".sha256"), out / f"{name}.{i}.pt.sha256")
+    (out / "recorded.json").write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

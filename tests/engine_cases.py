@@ -1,0 +1,104 @@
+"""Tiny runs and packs whose every output ``tests/test_engine_recorded.py`` compares with what
+the engine wrote before issue 26's refactor (``tests/data/engine_before_issue26/``).
+
+Each case is a list of seeds trained alone (one seed) or as one pack (several); periodic
+checkpoints every 2 steps, evaluation every 2 steps, 6 steps in all.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bnexp import checkpoint
+from tests.conftest import TINY, compose_cfg
+
+STEPS = [
+    "trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.checkpoint_unit=step",
+    "trainer.eval_every=2", "trainer.eval_unit=step", "trainer.keep_checkpoints=10",
+]
+# name -> (overrides, seeds)
+CASES: dict[str, tuple[list[str], list[int]]] = {
+    "alone_bn": (["norm=bn"], [0]),
+    "alone_cbn": (["norm=cbn"], [1]),
+    "alone_bnp_mlp": (["norm=bnp", "model=mlp3x100", "model.width=8"], [0]),
+    "alone_brn": (["norm=brn"], [2]),
+    "pack_bn": (["norm=bn"], [0, 1, 2]),
+    "pack_cbn": (["norm=cbn"], [3, 4]),
+    "pack_bnp_mlp": (["norm=bnp", "model=mlp3x100", "model.width=8"], [0, 1]),
+}
+# Columns and summary keys that hold wall time, versions or paths, not results.
+UNTIMED = ("time", "seconds", "throughput", "per_s")
+SUMMARY_SKIP = ("wall_seconds", "git_commit", "git_dirty", "config", "packed_with", "torch_version",
+                "bnexp_version")
+
+
+def case_cfgs(name: str) -> list:
+    """The composed config of each seed of case ``name``."""
+    overrides, seeds = CASES[name]
+    return [compose_cfg([*TINY, *STEPS, *overrides, f"trainer.seed={s}"]) for s in seeds]
+
+
+def run_case(name: str, root: Path) -> list[Path]:
+    """Train case ``name`` under ``root``; return its run directories, checkpoints kept."""
+    from bnexp import checkpoint as ckpt_module
+
+    cfgs = case_cfgs(name)
+    dirs = [root / f"seed{c.trainer.seed}" for c in cfgs]
+    keep = ckpt_module.prune
+    ckpt_module.prune = lambda run_dir, keep_n: None  # keep the mid-run checkpoints to compare
+    try:
+        train_case(cfgs, dirs)
+    finally:
+        ckpt_module.prune = keep
+    return dirs
+
+
+def train_case(cfgs: list, dirs: list[Path]) -> None:
+    """Train ``cfgs`` in ``dirs``: alone for one config, as one pack for several."""
+    if len(cfgs) == 1:
+        from bnexp.trainer import train
+        train(cfgs[0], dirs[0])
+    else:
+        from bnexp.pack import train_pack
+        train_pack(cfgs, dirs)
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return [{k: v for k, v in row.items() if not any(t in k for t in UNTIMED)} for row in csv.DictReader(f)]
+
+
+def _tensor_digest(value: Any) -> Any:
+    """Tensors as (shape, dtype, exact float64 sum as hex); containers recursively."""
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), str(value.dtype), value.double().sum().item().hex() if value.numel() else ""]
+    if isinstance(value, dict):
+        return {str(k): _tensor_digest(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_tensor_digest(v) for v in value]
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(type(value))
+
+
+def observe(dirs: list[Path]) -> list[dict[str, Any]]:
+    """What each run directory holds that must not change: metric rows, the summary's results,
+    the final checkpoint's model weights and its keys (callback state keys, parameter names)."""
+    seen = []
+    for d in dirs:
+        summary = json.loads((d / "summary.json").read_text())
+        final = checkpoint.load(d / checkpoint.FINAL)
+        seen.append({
+            "metrics": _rows(d / "metrics.csv"),
+            "weights": _rows(d / "weights.csv") if (d / "weights.csv").is_file() else [],
+            "packed_with": [Path(p).name for p in summary.get("packed_with", [])],
+            "summary": {k: v for k, v in summary.items() if k not in SUMMARY_SKIP and not any(t in k for t in UNTIMED)},
+            "checkpoint_keys": sorted(final),
+            "callback_keys": sorted(final.get("callbacks", {})),
+            "model": _tensor_digest(final["model"]),
+            "periodic": sorted(p.name for p in (d / "checkpoints").glob("*.pt")) if (d / "checkpoints").is_dir() else [],
+        })
+    return seen
