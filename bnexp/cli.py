@@ -1,7 +1,7 @@
 """The ``bnexp`` command: ``bnexp <command> [args]``.
 
 ``bnexp train [overrides]`` and ``bnexp train -m [sweep overrides]`` are the Hydra
-application of :mod:`bnexp.app` (``bnexp train --help`` is Hydra's help, with the config
+application of :mod:`bnexp.app.train` (``bnexp train --help`` is Hydra's help, with the config
 groups); the other commands parse their own ``key=value`` arguments, and ``bnexp <command>
 --help`` prints the documentation of the module that implements it. ``bnexp --version``
 prints the versions and the source of this install. Hydra's shell completion
@@ -17,9 +17,9 @@ import os
 import sys
 from typing import Callable
 
-from bnexp.app import train_command
-from bnexp.commands import print_error
-from bnexp.errors import EXIT_CONFIG
+from bnexp.app.train import train_command
+from bnexp.support.errors import EXIT_CONFIG
+from bnexp.support.options import print_error
 
 USAGE = """usage: bnexp <command> [args]
 
@@ -72,7 +72,7 @@ def version() -> str:
     """``bnexp --version``: bnexp's version and source (a git checkout's commit), torch's."""
     import torch
 
-    from bnexp.runinfo import source_of_bnexp
+    from bnexp.support.runinfo import source_of_bnexp
 
     source = source_of_bnexp()
     where = f"git {source['git_commit'][:12]}{' (dirty)' if source['git_dirty'] else ''}" if source["git_commit"] \

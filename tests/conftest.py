@@ -19,8 +19,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from bnexp.app.compose import config_dir, register_resolvers
 from bnexp.cli import main
-from bnexp.config import config_dir, register_resolvers
 
 torch.set_num_threads(1)
 

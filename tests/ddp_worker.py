@@ -14,8 +14,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bnexp.callbacks import Callback, TrainState  # noqa: E402
-from bnexp.methods import BnpPreconditioner  # noqa: E402
+from bnexp.engine.callbacks import Callback, TrainState  # noqa: E402
+from bnexp.engine.method_hooks import BnpPreconditioner  # noqa: E402
 from tests.conftest import compose_cfg  # noqa: E402
 
 BNP_STATE: dict[str, torch.Tensor] = {}
@@ -47,7 +47,7 @@ class SaveRankState(Callback):
 
 
 def main() -> None:
-    from bnexp.trainer import train
+    from bnexp.engine.trainer import train
 
     out, jobs = Path(sys.argv[1]), sys.argv[2]
     rank = int(os.environ["RANK"])

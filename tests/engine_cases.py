@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from bnexp import checkpoint
+from bnexp.engine import checkpoint
 from tests.conftest import TINY, compose_cfg
 
 STEPS = [
@@ -45,7 +45,7 @@ def case_cfgs(name: str) -> list:
 
 def run_case(name: str, root: Path) -> list[Path]:
     """Train case ``name`` under ``root``; return its run directories, checkpoints kept."""
-    from bnexp import checkpoint as ckpt_module
+    from bnexp.engine import checkpoint as ckpt_module
 
     cfgs = case_cfgs(name)
     dirs = [root / f"seed{c.trainer.seed}" for c in cfgs]
@@ -61,10 +61,10 @@ def run_case(name: str, root: Path) -> list[Path]:
 def train_case(cfgs: list, dirs: list[Path]) -> None:
     """Train ``cfgs`` in ``dirs``: alone for one config, as one pack for several."""
     if len(cfgs) == 1:
-        from bnexp.trainer import train
+        from bnexp.engine.trainer import train
         train(cfgs[0], dirs[0])
     else:
-        from bnexp.pack import train_pack
+        from bnexp.engine.pack import train_pack
         train_pack(cfgs, dirs)
 
 

@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bnexp import checkpoint  # noqa: E402
 from bnexp.cli import main  # noqa: E402
-from bnexp.pack import Member  # noqa: E402
+from bnexp.engine import checkpoint  # noqa: E402
+from bnexp.engine.pack import Member  # noqa: E402
 
 
 def signal_in_final_save(signum: int) -> None:

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from bnexp.data import build_data
 from bnexp.data.cifar import load_cifar
-from bnexp.errors import ConfigError, DataError
+from bnexp.support.errors import ConfigError, DataError
 from tests.conftest import read_summary, run_cli, run_dir_of, write_cifar10
 from tests.test_data_sets import imagenet_cfg, mnist_cfg, npz_arrays, write_idx, write_image_folders, write_mnist
 

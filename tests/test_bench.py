@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bnexp.errors import EXIT_CONFIG
+from bnexp.support.errors import EXIT_CONFIG
 from tests.conftest import run_cli
 
 QUICK = ["reps=2", "device=cpu"]

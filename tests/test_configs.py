@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from bnexp.config import config_dir, validate
+from bnexp.app.compose import config_dir
+from bnexp.engine.config import validate
 from tests.conftest import compose_cfg
 
 GROUPS = ["model", "norm", "act", "data", "optim", "schedule", "trainer"]

@@ -15,8 +15,8 @@ from torchvision.datasets import MNIST
 from bnexp.data import DATASETS, build_data
 from bnexp.data.imagenet import MEAN, STD, detect_format
 from bnexp.data.loaders import build_loaders
-from bnexp.errors import ConfigError, DataError, DataUnavailable
 from bnexp.models import DataSpec
+from bnexp.support.errors import ConfigError, DataError, DataUnavailable
 
 
 def test_registry() -> None:
@@ -331,7 +331,7 @@ def test_digits_settings_are_checked(change: dict, message: str) -> None:
 @pytest.mark.parametrize("loader", ["torch", "device"])
 @pytest.mark.parametrize("sampling", ["with_replacement", "shuffle"])
 def test_digits_train_through_every_loader(tmp_path: Path, loader: str, sampling: str) -> None:
-    from bnexp.trainer import train
+    from bnexp.engine.trainer import train
     from tests.conftest import compose_cfg
 
     cfg = compose_cfg(["data=digits", "data.image_size=8", f"data.loader={loader}", f"data.sampling={sampling}",

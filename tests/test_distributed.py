@@ -18,13 +18,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from bnexp import runlock
-from bnexp.config import config_dir, register_resolvers
-from bnexp.distributed import Dist, split_batch
-from bnexp.errors import EXIT_LOCKED, EXIT_PREEMPTED, ConfigError
-from bnexp.identity import run_name
-from bnexp.launch import RUN_DIR_ENV, torchrun_command
-from bnexp.trainer import train
+from bnexp.app.compose import config_dir, register_resolvers
+from bnexp.app.torchrun import RUN_DIR_ENV, torchrun_command
+from bnexp.engine.identity import run_name
+from bnexp.engine.trainer import train
+from bnexp.support import runlock
+from bnexp.support.distributed import Dist, split_batch
+from bnexp.support.errors import EXIT_LOCKED, EXIT_PREEMPTED, ConfigError
 from tests.conftest import TINY, compose_cfg, read_summary, run_cli
 from tests.test_resilience import assert_same_run, wait_for_checkpoint
 

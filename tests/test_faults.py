@@ -24,10 +24,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from bnexp import checkpoint, runlock
-from bnexp.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_PREEMPTED, ConfigError
-from bnexp.identity import NEUTRAL_SINCE_ADDED, cell_name, fingerprint, run_name
-from bnexp.runlock import LOCK_NAME
+from bnexp.engine import checkpoint
+from bnexp.engine.identity import NEUTRAL_SINCE_ADDED, cell_name, fingerprint, run_name
+from bnexp.support import runlock
+from bnexp.support.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_PREEMPTED, ConfigError
+from bnexp.support.runlock import LOCK_NAME
 from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli, run_dir_of
 from tests.test_resilience import CrashAt, assert_same_run, cli_command, run_inprocess, wait_for_checkpoint
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from bnexp import checkpoint
-from bnexp.errors import ConfigError
-from bnexp.launch import check_gpus
-from bnexp.runinfo import resolve_device
-from bnexp.trainer import train
+from bnexp.app.torchrun import check_gpus
+from bnexp.engine import checkpoint
+from bnexp.engine.trainer import train
+from bnexp.support.errors import ConfigError
+from bnexp.support.runinfo import resolve_device
 from tests.conftest import TINY, compose_cfg, read_summary
 
 

@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bnexp.callbacks import Callback, TrainState
-from bnexp.config import config_dir
-from bnexp.errors import ConfigError
+from bnexp.app.compose import config_dir
+from bnexp.engine.callbacks import Callback, TrainState
+from bnexp.engine.optim import build_optimizer
+from bnexp.engine.trainer import train
 from bnexp.models import DataSpec, build_model
+from bnexp.models.scale_invariance import scale_invariant_weights
 from bnexp.nn import NormFamily, ScaleInvariantBN
-from bnexp.optim import build_optimizer
-from bnexp.scale_invariance import scale_invariant_weights
-from bnexp.trainer import train
+from bnexp.support.errors import ConfigError
 from tests.conftest import TINY, compose_cfg, read_summary, run_cli, run_dir_of
 
 PRESETS = sorted(p.stem for p in (config_dir() / "norm").glob("*.yaml"))

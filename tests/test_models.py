@@ -13,12 +13,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch import nn
 
-from bnexp.activations import ACTIVATIONS
 from bnexp.models import MODELS, DataSpec, build_model, count_parameters
 from bnexp.models.layers import NormOp, ResidualJoin, normalized_ops
 from bnexp.nn import CBN1d, CBN2d, FourThingsBN2d, POPNorm2d, ScaleInvariantBN2d
+from bnexp.nn.activations import ACTIVATIONS
+from bnexp.nn.create_norm import build_norm_spec, create_norm
 from bnexp.nn.renorm import BatchRenorm2d
-from bnexp.norms import build_norm_spec, create_norm
 
 NORM_DIR = Path(__file__).resolve().parents[1] / "configs" / "norm"
 

@@ -385,8 +385,8 @@ def test_cbn_preset_builds_amat_layers_with_its_settings(overrides, expected):
     ("norm.amat_eta=often", "norm.amat_eta must be 'adaptive' or a number in \\[0, 1\\], got 'often'"),
 ])
 def test_bad_amat_settings_are_config_errors(override, message):
-    from bnexp.errors import ConfigError
     from bnexp.models import DataSpec, build_model
+    from bnexp.support.errors import ConfigError
     from tests.conftest import TINY, compose_cfg
 
     cfg = compose_cfg([*TINY, "norm=cbn", override])

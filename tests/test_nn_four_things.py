@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from bnexp.engine.optim import build_optimizer
 from bnexp.nn import FourThingsBN1d, FourThingsBN2d
-from bnexp.optim import build_optimizer
 from tests.conftest import compose_cfg
 from tests.test_nn_misc import gradcheck_module, randomize
 

@@ -7,6 +7,7 @@ import importlib.metadata
 import re
 import sys
 from pathlib import Path
+from typing import Mapping
 
 import tomllib
 
@@ -61,13 +62,12 @@ def test_published_numbers_have_their_schema_and_known_values() -> None:
 # The layers of docs/architecture.md, lowest first; a module may import its own layer and
 # those below it. Lazy imports inside functions count too.
 LAYERS = [
-    ("bnexp.errors", "bnexp.registry", "bnexp.distributed", "bnexp.reference", "bnexp.commands", "bnexp.__init__"),
+    ("bnexp.support", "bnexp.reference", "bnexp.__init__"),
     ("bnexp.nn",),
-    ("bnexp.activations", "bnexp.norms", "bnexp.models", "bnexp.scale_invariance"),
-    ("bnexp.config", "bnexp.schema", "bnexp.data", "bnexp.optim", "bnexp.callbacks", "bnexp.methods", "bnexp.probes", "bnexp.loggers",
-     "bnexp.checkpoint", "bnexp.runinfo", "bnexp.speed", "bnexp.preemption", "bnexp.launch", "bnexp.trainer",
-     "bnexp.identity", "bnexp.runlock", "bnexp.pack"),
-    ("bnexp.sweep", "bnexp.app", "bnexp.cmdline", "hydra_plugins"),
+    ("bnexp.models",),
+    ("bnexp.data",),
+    ("bnexp.engine", "bnexp.probes"),
+    ("bnexp.app", "hydra_plugins"),
     ("bnexp.report", "bnexp.bench"),
     ("bnexp.studies",),
     ("bnexp.cli", "bnexp.__main__"),
@@ -81,25 +81,47 @@ def layer_of(module: str) -> int:
     return max(matches)[1]
 
 
-def test_imports_point_one_way() -> None:
-    """nn -> models -> trainer -> sweep -> report -> studies -> cli: no module imports a higher layer."""
-    import ast
-
+def package_modules() -> dict[str, Path]:
+    """Every module of bnexp and hydra_plugins by dotted name (a package by its ``__init__``)."""
+    modules = {}
     for top in ("bnexp", "hydra_plugins"):
         for path in sorted((ROOT / top).rglob("*.py")):
-            module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-            module = module if module != "bnexp" else "bnexp.__init__"
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
-                         else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
-                if names == ["bnexp"] and isinstance(node, ast.ImportFrom):  # from bnexp import x
-                    names = [f"bnexp.{a.name}" for a in node.names if a.name != "__version__"]
-                for name in names:
-                    if name == "bnexp":
-                        continue  # import bnexp: the package's version
-                    if name.startswith(("bnexp.", "hydra_plugins.")):
-                        assert layer_of(name) <= layer_of(module), f"{module} imports {name}, a higher layer"
+            modules[".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path
+    return modules
 
+
+def imports_of(path: Path, modules: Mapping[str, Path]) -> set[str]:
+    """The bnexp and hydra_plugins modules ``path`` imports, at the top or in a function;
+    ``from package import name`` counts as importing the module ``package.name`` if it is one."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                      for a in node.names}
+    return {name for name in found if name.startswith(("bnexp.", "hydra_plugins."))}
+
+
+def test_imports_point_one_way() -> None:
+    """support -> nn -> models -> data -> engine -> app -> report -> studies -> cli: no module
+    imports a higher layer."""
+    modules = package_modules()
+    for module, path in modules.items():
+        for name in imports_of(path, modules):
+            assert layer_of(name) <= layer_of(module if module != "bnexp" else "bnexp.__init__"), \
+                f"{module} imports {name}, a higher layer"
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """Not even lazily: a module pair that needs each other is one module, or a third holds
+    what both need."""
+    modules = package_modules()
+    edges = {(module, name) for module, path in modules.items() for name in imports_of(path, modules)}
+    pairs = sorted({tuple(sorted(e)) for e in edges if e[0] != e[1] and (e[1], e[0]) in edges})
+    assert not pairs, f"modules that import each other: {pairs}"
 
 
 def canonical(name: str) -> str:

@@ -13,20 +13,20 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from bnexp import checkpoint
-from bnexp.callbacks import TrainState
 from bnexp.data import build_data
 from bnexp.data.loaders import build_loaders
-from bnexp.errors import EXIT_PREEMPTED
-from bnexp.methods import WeightNormLog, method_callbacks
+from bnexp.engine import checkpoint
+from bnexp.engine.accel import Accelerated
+from bnexp.engine.callbacks import TrainState
+from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
+from bnexp.engine.optim import build_optimizer, build_schedule
+from bnexp.engine.trainer import evaluate, train_step
 from bnexp.models import DataSpec, build_model
 from bnexp.models.packing import pack_inputs, pack_models, pack_state, packed_losses, unpack_state
 from bnexp.nn import BNP, NormFamily
 from bnexp.nn.packed import PackedLinear
-from bnexp.optim import build_optimizer, build_schedule
-from bnexp.runinfo import seed_everything
-from bnexp.speed import Accelerated
-from bnexp.trainer import evaluate, train_step
+from bnexp.support.errors import EXIT_PREEMPTED
+from bnexp.support.runinfo import seed_everything
 from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli
 from tests.test_resilience import assert_same_run, cli_command, wait_for_checkpoint
 
@@ -209,7 +209,7 @@ def test_bnp_regularizer_is_per_run() -> None:
 
 
 def test_unpackable_model_says_so() -> None:
-    from bnexp.errors import ConfigError
+    from bnexp.support.errors import ConfigError
 
     cfg = compose_cfg(["model=efficientnet_b0"])
     models = [build_model(cfg.model, cfg.norm, cfg.act.name, DataSpec(10, 3, 32)) for _ in range(2)]
@@ -224,7 +224,7 @@ def test_packed_loader_yields_each_runs_own_images(loader: str, tmp_path: Path) 
     those of run k alone, augmentation included."""
     cfg = compose_cfg([*TINY, "data.augment=true", "trainer.max_steps=9", f"data.loader={loader}"])
     bundle = build_data(cfg.data)
-    from bnexp.pack import Member
+    from bnexp.engine.pack import Member
 
     def alone(seed: int) -> list[torch.Tensor]:
         seed_everything(seed)
@@ -322,7 +322,7 @@ def test_rerun_packs_only_missing_runs(tmp_path: Path, capsys) -> None:
 def test_nan_in_one_run_leaves_the_others_bit_identical(layout: str, tmp_path: Path, capsys, monkeypatch) -> None:
     """The other runs of the pack end bit-identical to the same pack without the NaN (in
     float64 they also equal their runs alone: test_nan_in_float64_leaves_the_others_as_alone)."""
-    from bnexp.pack import Member
+    from bnexp.engine.pack import Member
 
     extra = ["trainer.channels_last=true"] if layout == "channels_last" else []
     assert run_pack(tmp_path / "clean", capsys, extra) == 0
@@ -455,7 +455,7 @@ def test_every_model_and_norm_packs_exactly(model: str, norm: str, tmp_path: Pat
 
 
 def test_pack_groups_by_everything_but_the_seed() -> None:
-    from bnexp.sweep import distinct_packs, pack_groups
+    from bnexp.app.sweep import distinct_packs, pack_groups
 
     jobs = [["norm=bn", "trainer.seed=0"], ["norm=cbn", "trainer.seed=0"], ["trainer.seed=1", "norm=bn"],
             ["norm=bn", "trainer.seed=2"], ["norm=cbn", "trainer.seed=1"], ["norm=bn"]]
@@ -562,7 +562,7 @@ def test_nan_in_float64_leaves_the_others_as_alone(tmp_path: Path) -> None:
     written out here) and the real freezing callback, runs 0 and 2 still equal their runs alone
     after 20 steps, and run 1's parameters stay at zero. The pack's own loop is checked end to
     end by :func:`test_nan_in_one_run_leaves_the_others_bit_identical`."""
-    from bnexp.pack import FreezeDiverged
+    from bnexp.engine.pack import FreezeDiverged
 
     cfg = compose_cfg(["model=resnet20", "model.width=4", "norm=cbn", *PROTOCOL])
     spec = DataSpec(10, 3, 8)

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
+from bnexp.engine.trainer import train
 from bnexp.nn import CBN2d, POPNorm2d
 from bnexp.probes import read_probes
 from bnexp.probes.callback import PROBES, ProbesCallback, ProbeWriter, probes_callback
 from bnexp.probes.eta_tau import QUANTILES, AmatRatio, EtaTau, quantity_name
 from bnexp.probes.gradients import GradNorm, gradient_variance
-from bnexp.trainer import train
 from tests.conftest import TINY, compose_cfg, read_metrics
 
 RUN = [*TINY, "trainer.max_steps=5", "trainer.eval_every=2", "trainer.eval_unit=step"]
@@ -199,7 +199,7 @@ def test_resume_cuts_rows_written_after_the_checkpoint(tmp_path: Path) -> None:
 
 
 def test_unknown_probe_is_a_config_error(tmp_path: Path) -> None:
-    from bnexp.errors import ConfigError
+    from bnexp.support.errors import ConfigError
 
     with pytest.raises(ConfigError, match="unknown probe 'nope'"):
         train(compose_cfg([*RUN, "probes=[nope]"]), tmp_path)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from bnexp.engine.optim import build_schedule
 from bnexp.models import DataSpec, build_model
 from bnexp.nn import BatchRenorm, BatchRenorm1d, FourThingsBN, POPNorm2d
-from bnexp.optim import build_schedule
 from tests.conftest import TINY, compose_cfg, run_cli
 
 

@@ -1,6 +1,6 @@
 """The fingerprints of the presets' runs, recorded before issue 25's corrections: a preset
 cell that computes what it did then keeps its fingerprint, so its finished runs are still
-found complete (``bnexp.identity.NEUTRAL_SINCE_ADDED``, ``LOOKUP_KEYS``, and per-norm
+found complete (``bnexp.engine.identity.NEUTRAL_SINCE_ADDED``, ``LOOKUP_KEYS``, and per-norm
 settings given only to the norms that read them, ``configs/norm_defaults_layer/``)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bnexp.identity import cell_name, fingerprint, override_key, short_hash
+from bnexp.engine.identity import cell_name, fingerprint, override_key, short_hash
 from bnexp.report.presets import job_configs, load_preset, preset_names
 
 RECORD = Path(__file__).parent / "data" / "fingerprints_before_issue25.json"

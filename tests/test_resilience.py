@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bnexp import checkpoint
-from bnexp.callbacks import Callback, TrainState
-from bnexp.errors import EXIT_FAILED, EXIT_PREEMPTED
-from bnexp.trainer import CheckpointClock, train
+from bnexp.engine import checkpoint
+from bnexp.engine.callbacks import Callback, TrainState
+from bnexp.engine.trainer import CheckpointClock, train
+from bnexp.support.errors import EXIT_FAILED, EXIT_PREEMPTED
 from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli, run_dir_of
 
 EXACT = ["trainer.deterministic=true", "trainer.eval_every=4", "trainer.eval_unit=step",

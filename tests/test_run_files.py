@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from bnexp import checkpoint
-from bnexp.errors import EXIT_CONFIG
+from bnexp.engine import checkpoint
+from bnexp.support.errors import EXIT_CONFIG
 from tests.conftest import TINY, run_cli
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "resilience.md"

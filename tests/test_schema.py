@@ -10,10 +10,10 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import pytest
 
-from bnexp.cmdline import group_options
-from bnexp.config import resolved, validate
-from bnexp.identity import fingerprint
-from bnexp.schema import TrainKeys, without_null
+from bnexp.app.cmdline import group_options
+from bnexp.engine.config import resolved, validate
+from bnexp.engine.identity import fingerprint
+from bnexp.engine.schema import TrainKeys, without_null
 from tests.conftest import TINY, compose_cfg, run_cli
 
 # (overrides, what the one line must name). Each was accepted, or refused by torch mid-run
@@ -130,6 +130,6 @@ SHIPPED = [f"{group}={option}" for group in ("model", "norm", "act", "data", "op
 
 @pytest.mark.parametrize("choice", SHIPPED)
 def test_schema_types_every_key_of_the_shipped_configs(choice: str) -> None:
-    """A key added to a config file gets its type in bnexp/schema.py (unnamed keys would pass
+    """A key added to a config file gets its type in bnexp/engine/schema.py (unnamed keys would pass
     unchecked)."""
     assert untyped(resolved(compose_cfg([choice]))) == []

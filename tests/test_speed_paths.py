@@ -13,18 +13,18 @@ from omegaconf import OmegaConf
 from torch import nn
 from torchvision.transforms.v2 import functional as TF
 
-from bnexp import checkpoint
-from bnexp.callbacks import Callback, TrainState
 from bnexp.data import build_data
 from bnexp.data.arrays import ArrayData, cifar_transforms
 from bnexp.data.device import draws, pad_crop_flip
 from bnexp.data.loaders import build_loaders, loader_kind
-from bnexp.errors import ConfigError
+from bnexp.engine import checkpoint
+from bnexp.engine.accel import Accelerated, amp_mode
+from bnexp.engine.callbacks import Callback, TrainState
+from bnexp.engine.trainer import train
 from bnexp.models import DataSpec, build_model
 from bnexp.nn import BNP, BatchRenorm2d, CBN2d, NormFamily2d, POPNorm2d, ScaleInvariantBN2d, set_learning_rate
 from bnexp.nn._base import affine, channel_sums, var_mean_per_channel
-from bnexp.speed import Accelerated, amp_mode
-from bnexp.trainer import train
+from bnexp.support.errors import ConfigError
 from tests.conftest import TINY, compose_cfg
 from tests.test_resilience import CrashAt, assert_same_run, run_inprocess
 
@@ -279,7 +279,7 @@ def test_compiled_evaluation_is_one_graph_for_every_batch_size() -> None:
     its own) and the padding's logits dropped, so it needs no graph of its own."""
     from torch._dynamo.utils import counters
 
-    from bnexp.trainer import evaluate
+    from bnexp.engine.trainer import evaluate
 
     batches = [(torch.randn(n, 3, SIZE, SIZE), torch.randint(0, 3, (n,))) for n in (4, 4, 3)]
     eager, compiled = Accelerated(small_cbn_net(), CPU), Accelerated(small_cbn_net(), CPU, compile=True)

@@ -10,11 +10,11 @@ import mpmath
 import pytest
 from omegaconf import OmegaConf
 
-from bnexp.errors import ConfigError
 from bnexp.report.layouts import LABELS, Axis, Layout
 from bnexp.report.presets import load_preset
 from bnexp.report.results import load_summaries
 from bnexp.report.table import build, render
+from bnexp.support.errors import ConfigError
 from tests.conftest import compose_cfg, run_cli
 
 LAYOUT = Layout(

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 import bnexp
-from bnexp.app import result_value
-from bnexp.callbacks import Callback, TrainState, stop_status
+from bnexp.app.train import result_value
 from bnexp.cli import COMMANDS, main
-from bnexp.errors import EXIT_PREEMPTED
-from bnexp.preemption import Preempted
-from bnexp.trainer import train
+from bnexp.engine.callbacks import Callback, TrainState, stop_status
+from bnexp.engine.preemption import Preempted
+from bnexp.engine.trainer import train
+from bnexp.support.errors import EXIT_PREEMPTED
 from tests.conftest import TINY, compose_cfg, read_summary, run_cli
 from tests.test_resilience import CrashAt
 
@@ -71,7 +71,7 @@ def test_result_value_is_a_float_for_every_outcome() -> None:
 def test_a_skipped_run_returns_its_stored_top1(tmp_path: Path, capsys) -> None:
     from omegaconf import OmegaConf
 
-    from bnexp.app import run_job
+    from bnexp.app.train import run_job
 
     assert run_cli(["train", *TINY, f"hydra.run.dir={tmp_path / 'run'}"], capsys)[0] == 0
     stored = json.loads((tmp_path / "run" / "summary.json").read_text())["final_top1"]
@@ -94,8 +94,8 @@ def test_optuna_search_runs_three_trials(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def source_from(folder: Path) -> dict:
-    """:func:`bnexp.runinfo.source_of_bnexp` of the bnexp package copied under ``folder``."""
-    code = "import json; from bnexp.runinfo import source_of_bnexp; print(json.dumps(source_of_bnexp()))"
+    """:func:`bnexp.support.runinfo.source_of_bnexp` of the bnexp package copied under ``folder``."""
+    code = "import json; from bnexp.support.runinfo import source_of_bnexp; print(json.dumps(source_of_bnexp()))"
     env = {**os.environ, "PYTHONPATH": str(folder)}
     out = subprocess.run([sys.executable, "-c", code], cwd=folder, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
@@ -489,7 +489,7 @@ def test_crashed_run_fails_its_tracker_run_and_resume_continues_it(tmp_path: Pat
 
 
 def test_mlflow_resume_of_a_run_the_store_lacks_starts_a_new_one(tmp_path: Path, caplog) -> None:
-    from bnexp.loggers import MLflowLogger
+    from bnexp.engine.loggers import MLflowLogger
 
     tracker = MLflowLogger({"name": "mlflow", "tracking_uri": f"sqlite:///{tmp_path / 'other.db'}"})
     run_id = tracker.open(tmp_path / "run", "run", "sweep", {"optim": {"lr": 0.1}}, "0123abcd", 4)
@@ -498,7 +498,7 @@ def test_mlflow_resume_of_a_run_the_store_lacks_starts_a_new_one(tmp_path: Path,
 
 
 def test_a_failing_tracker_costs_its_tracking_not_the_run(tmp_path: Path, monkeypatch, caplog) -> None:
-    from bnexp.loggers import MLflowLogger
+    from bnexp.engine.loggers import MLflowLogger
 
     def unreachable(self, values, step) -> None:
         raise ConnectionError("tracking server unreachable")

@@ -16,9 +16,9 @@ from types import ModuleType
 import torch
 
 from bnexp.bench.common import RECOMPILE_LIMIT, device_of, finish, parse
-from bnexp.commands import exit_on_error
-from bnexp.errors import ConfigError, unknown_choice
-from bnexp.runinfo import configure_backends
+from bnexp.support.errors import ConfigError, unknown_choice
+from bnexp.support.options import exit_on_error
+from bnexp.support.runinfo import configure_backends
 
 SUBCOMMANDS = ("norms", "step", "data", "run", "pack")
 ACCEPTS_OVERRIDES = ("step", "data", "run", "pack")  # subcommands whose other key=value args are Hydra overrides

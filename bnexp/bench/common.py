@@ -26,10 +26,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
-from bnexp.commands import split_options
-from bnexp.config import config_dir, register_resolvers
-from bnexp.errors import ConfigError
-from bnexp.runinfo import atomic_write, resolve_device
+from bnexp.app.compose import config_dir, register_resolvers
+from bnexp.support.errors import ConfigError
+from bnexp.support.options import split_options
+from bnexp.support.runinfo import atomic_write, resolve_device
 
 MODES = ("eager", "compiled")
 # Options every subcommand takes, with their defaults; each subcommand adds its own.

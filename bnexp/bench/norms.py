@@ -14,9 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from bnexp.bench.common import COMMON, MODES, Record, device_of, measure, record
-from bnexp.errors import unknown_choice
 from bnexp.nn import set_learning_rate
-from bnexp.norms import create_norm
+from bnexp.nn.create_norm import create_norm
+from bnexp.support.errors import unknown_choice
 
 # (channels, height = width, normalizations of that shape) of each network's norms
 NETS: dict[str, tuple[tuple[int, int, int], ...]] = {
@@ -28,7 +28,7 @@ BATCH = {"resnet20": 128, "resnet50": 32}  # a CIFAR batch; an ImageNet per-GPU 
 BASELINE = "bn/eager"
 
 
-# bench name -> its layer in bnexp.norms.NORM_LAYERS, built by create_norm as models build it;
+# bench name -> its layer in bnexp.nn.create_norm.NORM_LAYERS, built by create_norm as models build it;
 # "bn" is torch's own BatchNorm2d, "family" bnexp's NormFamily2d at BN's flags
 NORMS: dict[str, str] = {"bn": "batchnorm", "family": "norm_family", "popnorm": "popnorm", "cbn": "cbn",
                          "brn": "batch_renorm", "bn_si": "bn_si", "bn_4things": "four_things"}

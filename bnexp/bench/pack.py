@@ -1,7 +1,7 @@
 """``bnexp bench pack``: training steps of K packed runs against K runs one at a time.
 
 For each ``K`` of ``runs`` (default 1, 2, 5, 10), one training step of a pack of K runs of
-``model`` with ``norm`` (:mod:`bnexp.pack`: grouped convolutions, one loss per run) is
+``model`` with ``norm`` (:mod:`bnexp.engine.pack`: grouped convolutions, one loss per run) is
 timed against one step of a run alone (the trainer's own step, as ``bnexp bench step``
 times it); the baseline of K is K steps alone, one after the other, in this process. The
 ratio is the pack's time over that baseline (below 1: packing is faster), and
@@ -23,13 +23,13 @@ from omegaconf import DictConfig
 
 from bnexp.bench.common import COMMON, Record, compose_train, device_of, measure, record
 from bnexp.bench.step import MODELS, STEP_OVERRIDES, step_case
-from bnexp.callbacks import TrainState
-from bnexp.methods import WeightNormLog, method_callbacks
+from bnexp.engine.accel import Accelerated
+from bnexp.engine.callbacks import TrainState
+from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
+from bnexp.engine.optim import build_optimizer, build_schedule
+from bnexp.engine.trainer import train_step
 from bnexp.models import DataSpec, build_model
 from bnexp.models.packing import pack_models, packed_losses
-from bnexp.optim import build_optimizer, build_schedule
-from bnexp.speed import Accelerated
-from bnexp.trainer import train_step
 
 DEFAULTS: dict[str, Any] = {**COMMON, "modes": ("eager",), "number": 3, "model": "resnet20", "norm": "cbn",
                             "runs": ("1", "2", "5", "10"), "batch": 0, "image_size": 0, "epochs": 120,

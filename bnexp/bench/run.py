@@ -7,7 +7,7 @@ included, so ``target_epochs`` take about ``wall + (target_epochs - epochs) * st
 ratio is that estimate over ``target_seconds``. With ``jobs=K`` the command also trains K
 copies at once with joblib (separate processes) and compares their wall time with K runs
 one after another. With ``trainer.pack=K`` the run is a pack of K seeds trained as one
-model (:mod:`bnexp.pack`), timed as a whole (the K runs finish together). Every other
+model (:mod:`bnexp.engine.pack`), timed as a whole (the K runs finish together). Every other
 ``key=value`` is a Hydra override of the run (``trainer.amp=bf16 trainer.compile=true``).
 """
 
@@ -23,11 +23,11 @@ import pandas as pd
 from joblib import Parallel, delayed
 from omegaconf import DictConfig
 
-from bnexp.app import with_value
+from bnexp.app.train import with_value
 from bnexp.bench.common import Record, compose_train, device_of, record
-from bnexp.errors import BnexpError, ConfigError
-from bnexp.pack import train_pack
-from bnexp.trainer import train
+from bnexp.engine.pack import train_pack
+from bnexp.engine.trainer import train
+from bnexp.support.errors import BnexpError, ConfigError
 
 DEFAULTS: dict[str, Any] = {"reps": 3, "device": "auto", "threads": 0, "target_epochs": 120, "target_seconds": 120.0,
                             "jobs": 1, "out": "results/bench/run.json"}

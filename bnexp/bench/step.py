@@ -18,11 +18,11 @@ import torch
 from omegaconf import DictConfig
 
 from bnexp.bench.common import COMMON, MODES, Record, compose_train, device_of, measure, record
-from bnexp.callbacks import TrainState
+from bnexp.engine.accel import Accelerated
+from bnexp.engine.callbacks import TrainState
+from bnexp.engine.optim import build_optimizer, build_schedule
+from bnexp.engine.trainer import build_callbacks, train_step
 from bnexp.models import DataSpec, build_model
-from bnexp.optim import build_optimizer, build_schedule
-from bnexp.speed import Accelerated
-from bnexp.trainer import build_callbacks, train_step
 
 # model -> (the data it trains on, its usual per-GPU batch)
 MODELS: dict[str, tuple[DataSpec, int]] = {

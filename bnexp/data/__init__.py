@@ -17,7 +17,7 @@ from bnexp.data.mnist import load_mnist, mnist_files
 from bnexp.data.npz import load_npz
 from bnexp.data.synthetic import make_synthetic
 from bnexp.models import DataSpec
-from bnexp.registry import Registry
+from bnexp.support.registry import Registry
 
 
 @dataclass

@@ -21,7 +21,7 @@ from torchvision.datasets import CIFAR10, CIFAR100
 
 from bnexp.data.arrays import ArrayData
 from bnexp.data.files import DataFile, DataFiles, check_labels, ensure_present, read_file, verify_release
-from bnexp.errors import DataError
+from bnexp.support.errors import DataError
 
 IMAGE_SHAPE = (3, 32, 32)
 IMAGE_BYTES = 3 * 32 * 32

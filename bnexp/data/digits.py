@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from bnexp.data.arrays import ArrayData
-from bnexp.errors import ConfigError
+from bnexp.support.errors import ConfigError
 
 NATIVE = 8  # side of the bundled images
 SIZES = (8, 16, 32)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, TypeV
 import torch
 from torchvision.datasets.utils import check_integrity
 
-from bnexp.errors import DataError, DataUnavailable
+from bnexp.support.errors import DataError, DataUnavailable
 
 T = TypeVar("T")
 

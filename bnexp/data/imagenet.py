@@ -42,7 +42,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.datasets.imagenet import ARCHIVE_META
 from torchvision.transforms import v2
 
-from bnexp.errors import ConfigError, DataError, DataUnavailable, unknown_choice
+from bnexp.support.errors import ConfigError, DataError, DataUnavailable, unknown_choice
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)

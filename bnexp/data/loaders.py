@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler, Subset
 
 from bnexp.data import DataBundle
 from bnexp.data.device import device_batches
-from bnexp.errors import ConfigError, unknown_choice
+from bnexp.support.errors import ConfigError, unknown_choice
 
 SAMPLINGS = ("with_replacement", "shuffle")
 LOADERS = ("auto", "device", "torch")

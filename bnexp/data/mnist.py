@@ -22,7 +22,7 @@ from torchvision.datasets import MNIST
 
 from bnexp.data.arrays import ArrayData
 from bnexp.data.files import DataFile, DataFiles, check_labels, ensure_present, read_file, verify_release
-from bnexp.errors import DataError
+from bnexp.support.errors import DataError
 
 SPLIT_SIZES = {"train": 60000, "t10k": 10000}  # images (and labels) per split of the release
 NUM_CLASSES = 10

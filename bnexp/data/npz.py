@@ -19,7 +19,7 @@ import torch
 
 from bnexp.data.arrays import ArrayData
 from bnexp.data.files import check_labels
-from bnexp.errors import ConfigError, DataError
+from bnexp.support.errors import ConfigError, DataError
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
 CHANNELS = (1, 3)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from bnexp.data.arrays import ArrayData
-from bnexp.errors import ConfigError
+from bnexp.support.errors import ConfigError
 
 
 def _images(templates: torch.Tensor, labels: torch.Tensor, noise: float, g: torch.Generator) -> torch.Tensor:

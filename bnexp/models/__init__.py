@@ -8,7 +8,6 @@ from typing import Any, Callable, Mapping
 
 from torch import nn
 
-from bnexp.errors import ConfigError
 from bnexp.models.bnp_nets import CNN5, MLP
 from bnexp.models.efficientnet import EfficientNet
 from bnexp.models.layers import LayerBuilder, scale_init
@@ -16,8 +15,9 @@ from bnexp.models.preact_resnet import PreActResNet
 from bnexp.models.resnet_cifar import CifarResNet
 from bnexp.models.resnet_imagenet import RESNET_DEPTHS, ImageNetResNet
 from bnexp.models.vgg import VGG
-from bnexp.norms import ChannelsError, NormSpec, build_norm_spec
-from bnexp.registry import Registry
+from bnexp.nn.create_norm import ChannelsError, NormSpec, build_norm_spec
+from bnexp.support.errors import ConfigError
+from bnexp.support.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bnexp.errors import ConfigError, unknown_choice
 from bnexp.models.layers import LayerBuilder, glorot_uniform_init
+from bnexp.support.errors import ConfigError, unknown_choice
 
 PADDINGS = ("valid", "same")
 

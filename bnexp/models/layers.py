@@ -26,9 +26,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from bnexp.activations import build_act
-from bnexp.errors import ConfigError
-from bnexp.norms import AFTER_OP, BEFORE_OP, NormSpec
+from bnexp.nn.activations import build_act
+from bnexp.nn.create_norm import AFTER_OP, BEFORE_OP, NormSpec
+from bnexp.support.errors import ConfigError
 
 
 class NormOp(nn.Module):

@@ -23,11 +23,11 @@ import torch
 from torch import Tensor, nn
 from torchvision.ops import StochasticDepth
 
-from bnexp.errors import ConfigError
 from bnexp.models.layers import NormOp
 from bnexp.models.resnet_cifar import OptionAShortcut
 from bnexp.nn._base import ChannelNorm
 from bnexp.nn.packed import PackedLinear
+from bnexp.support.errors import ConfigError
 
 # Modules whose channels are independent whatever their number (nothing to change).
 CHANNELWISE = (nn.Sequential, nn.Identity, nn.Flatten, nn.AdaptiveAvgPool2d, nn.MaxPool2d, nn.AvgPool2d,

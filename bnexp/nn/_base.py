@@ -167,7 +167,7 @@ class ChannelNorm(nn.Module):
         wide = x.to(torch.promote_types(x.dtype, self.weight.dtype))
         var, mean = var_mean_per_channel(wide)
         if self.sync:
-            from bnexp.distributed import synced_var_mean
+            from bnexp.support.distributed import synced_var_mean
 
             var, mean = synced_var_mean(var, mean, x.numel() // self.num_features)
         return var.to(self.weight.dtype), mean.to(self.weight.dtype)

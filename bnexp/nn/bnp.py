@@ -19,7 +19,7 @@ from bnexp.nn._base import check_fraction, var_mean_per_channel
 from bnexp.nn.packed import PackedLinear
 
 # (batch means, batch variances) of every layer that saw a training input -> the same, e.g.
-# averaged over DDP ranks in one all-reduce (bnexp.distributed.bnp_reducer).
+# averaged over DDP ranks in one all-reduce (bnexp.support.distributed.bnp_reducer).
 StatsReducer = Callable[[Sequence[Tensor], Sequence[Tensor]], tuple[Sequence[Tensor], Sequence[Tensor]]]
 
 

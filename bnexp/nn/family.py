@@ -189,7 +189,7 @@ class NormFamily(ChannelNorm):
     def _track(self, mean: Tensor, var: Tensor, n: int) -> None:
         """torch.nn.BatchNorm's running-statistics update (unbiased variance)."""
         if self.sync:  # the statistics cover every process's batch (equal batch sizes)
-            from bnexp.distributed import world_size
+            from bnexp.support.distributed import world_size
 
             n *= world_size()
         with torch.no_grad():

@@ -8,7 +8,7 @@ by one (``docs/methods/bn_4things.md`` states the definitions and the defaults):
 2. batch-group normalization (``groups``): the statistics pool ``num_features / groups``
    neighbouring channels as well, so a batch of one still has several values per statistic;
 3. weight decay on gamma and beta (``affine_decay``): read by the optimizer factory
-   (:func:`bnexp.optim.build_optimizer`), which pulls gamma toward 1 and beta toward 0;
+   (:func:`bnexp.engine.optim.build_optimizer`), which pulls gamma toward 1 and beta toward 0;
 4. inference example weighing (``alpha``): at eval, the mean and second moment are
    ``alpha`` times the example's own (over its group of channels) plus ``1 - alpha`` times
    the population's.

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, ContextManager, Mapping, Optional
 
 from omegaconf import DictConfig, ListConfig
 
-from bnexp.callbacks import Callback, TrainState
-from bnexp.errors import ConfigError
-from bnexp.registry import Registry
+from bnexp.engine.callbacks import Callback, TrainState
+from bnexp.support.errors import ConfigError
+from bnexp.support.registry import Registry
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from bnexp.callbacks import TrainState
+from bnexp.engine.callbacks import TrainState
 from bnexp.nn import NormFamily
 from bnexp.probes.callback import Probe, register_probe
 

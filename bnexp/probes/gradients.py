@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bnexp.callbacks import TrainState
+from bnexp.engine.callbacks import TrainState
 from bnexp.probes.callback import ALL, Probe, register_probe
 from bnexp.probes.sampling import Batch, SampledProbe
 

@@ -31,10 +31,10 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from bnexp.callbacks import TrainState
-from bnexp.errors import ConfigError
+from bnexp.engine.callbacks import TrainState
 from bnexp.nn import BNPLayer
 from bnexp.probes.callback import Probe, register_probe
+from bnexp.support.errors import ConfigError
 
 
 def mean_logsumexp(logits: Tensor) -> Tensor:

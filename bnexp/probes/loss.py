@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bnexp.callbacks import TrainState
+from bnexp.engine.callbacks import TrainState
 from bnexp.probes.callback import ALL, register_probe
 from bnexp.probes.sampling import Batch, SampledProbe
 

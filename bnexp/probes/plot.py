@@ -16,11 +16,11 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from bnexp.commands import print_warning
-from bnexp.errors import unknown_choice
 from bnexp.probes.callback import ALL, PROBES_FILE, read_probes
 from bnexp.probes.eta_tau import QUANTILES, quantity_name
-from bnexp.runinfo import atomic_write
+from bnexp.support.errors import unknown_choice
+from bnexp.support.options import print_warning
+from bnexp.support.runinfo import atomic_write
 
 
 def run_labels(run_dirs: Sequence[Path]) -> list[str]:

@@ -18,11 +18,11 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 from torch.utils.data import Dataset, default_collate
 
-from bnexp.callbacks import TrainState
-from bnexp.checkpoint import capture_rng, restore_rng
-from bnexp.errors import ConfigError
+from bnexp.engine.callbacks import TrainState
+from bnexp.engine.checkpoint import capture_rng, restore_rng
 from bnexp.nn import set_learning_rate
 from bnexp.probes.callback import FixedWeightProbe
+from bnexp.support.errors import ConfigError
 
 Batch = tuple[Tensor, Tensor]
 

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Union
 
 import torch
 
-from bnexp.callbacks import TrainState
+from bnexp.engine.callbacks import TrainState
 from bnexp.probes.callback import ALL, Probe, register_probe
 
 EPOCH_KEYS = ("data", "compute", "steps")

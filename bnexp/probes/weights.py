@@ -1,6 +1,6 @@
 """The ``weights`` probe: norms and effective learning rates of scale-invariant weights (Arora et al.).
 
-For every weight :func:`bnexp.scale_invariance.scale_invariant_weights` lists, ``norm`` is
+For every weight :func:`bnexp.models.scale_invariance.scale_invariant_weights` lists, ``norm`` is
 ``||w||`` and ``effective_lr`` is ``lr / ||w||^2`` with the learning rate of the optimizer
 group holding ``w`` (``lr_w`` when the run splits the groups). The loss does not change
 when such a weight is rescaled, so a step of size lr on it moves its direction as much as
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 
-from bnexp.callbacks import TrainState
+from bnexp.engine.callbacks import TrainState
+from bnexp.models.scale_invariance import scale_invariant_weights, weight_norms
 from bnexp.probes.callback import FixedWeightProbe, register_probe
-from bnexp.scale_invariance import scale_invariant_weights, weight_norms
 
 log = logging.getLogger("bnexp.probes")
 

@@ -21,15 +21,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import DataLoader
 
-from bnexp import checkpoint
 from bnexp.bench.common import compose_train
-from bnexp.commands import exit_on_error, output_errors, print_warning, run_dir_argument, split_options
-from bnexp.config import DEVICES
 from bnexp.data import build_data
-from bnexp.errors import ConfigError, unknown_choice
+from bnexp.engine import checkpoint
+from bnexp.engine.schema import DEVICES
+from bnexp.engine.trainer import evaluate
 from bnexp.models import build_model
-from bnexp.runinfo import read_run_json, resolve_device, version_stamp, write_json
-from bnexp.trainer import evaluate
+from bnexp.support.errors import ConfigError, unknown_choice
+from bnexp.support.options import exit_on_error, output_errors, print_warning, run_dir_argument, split_options
+from bnexp.support.runinfo import read_run_json, resolve_device, version_stamp, write_json
 
 SPLITS = ("test", "train")
 OPTIONS = {"split": "test", "device": "auto", "batch": "0"}

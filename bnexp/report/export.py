@@ -24,11 +24,11 @@ import torchvision
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from bnexp import checkpoint
-from bnexp.commands import exit_on_error, output_errors, run_dir_argument, split_options
-from bnexp.errors import ConfigError, unknown_choice
+from bnexp.engine import checkpoint
 from bnexp.models import DataSpec, build_model
-from bnexp.runinfo import atomic_write, read_run_json, version_stamp
+from bnexp.support.errors import ConfigError, unknown_choice
+from bnexp.support.options import exit_on_error, output_errors, run_dir_argument, split_options
+from bnexp.support.runinfo import atomic_write, read_run_json, version_stamp
 
 FORMATS = ("torchvision", "safetensors")
 TORCHVISION_ACT = {"resnet18": "relu", "resnet50": "relu", "efficientnet_b0": "swish"}  # torchvision's activation

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from bnexp.errors import ConfigError
+from bnexp.support.errors import ConfigError
 
 # How values are printed in headers and row names, unless an axis labels them itself.
 LABELS = {

@@ -1,10 +1,10 @@
 """Paper presets (``configs/experiment/<paper>/<name>.yaml``): their sweeps, table and cost.
 
 A preset is a Hydra overlay holding a protocol, its sweeps (``hydra.sweeper.sweeps``, run as
-their union by :class:`bnexp.sweep.BnexpSweeper`) and the description of its table
+their union by :class:`bnexp.app.sweep.BnexpSweeper`) and the description of its table
 (``hydra.sweeper.report``). :class:`Preset` reads both from the composed config: the table
 commands use the sweeps' values without expanding them; ``bnexp reproduce`` expands them
-(:func:`bnexp.sweep.expand`) to count and cost the runs.
+(:func:`bnexp.app.sweep.expand`) to count and cost the runs.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any, Mapping, Sequence
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from bnexp.cmdline import compose_or_explain
-from bnexp.commands import split_options
-from bnexp.config import config_dir, hydra_session, is_group, parser
-from bnexp.errors import ConfigError, unknown_choice
-from bnexp.identity import fingerprint, override_key, result_config
+from bnexp.app.cmdline import compose_or_explain
+from bnexp.app.compose import config_dir, hydra_session, is_group, parser
+from bnexp.app.sweep import Job, Values, expand, parse_values, select, sweep_lines, union
+from bnexp.engine.identity import fingerprint, override_key, result_config
 from bnexp.report.layouts import Layout, layout_from
-from bnexp.sweep import Job, Values, expand, parse_values, select, sweep_lines, union
+from bnexp.support.errors import ConfigError, unknown_choice
+from bnexp.support.options import split_options
 
 SEED = "trainer.seed"
 SCALES = ("full", "quick")
@@ -97,7 +97,7 @@ class Preset:
 
     @cached_property
     def expected(self) -> dict[str, dict[str, Any]]:
-        """The result config (dotted keys, :func:`bnexp.identity.result_config`) of every run
+        """The result config (dotted keys, :func:`bnexp.engine.identity.result_config`) of every run
         the sweeps make, by fingerprint: a run belongs to the preset's table when its
         fingerprint is one of these."""
         return {fingerprint(c): c for c in job_configs(self.name, self.scale, self.jobs)}

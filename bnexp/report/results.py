@@ -21,10 +21,10 @@ from typing import Any, Callable, Optional, Sequence
 import pandas as pd
 import yaml
 
-from bnexp.commands import print_warning
-from bnexp.errors import DataError
-from bnexp.identity import fingerprint, flatten, result_config
+from bnexp.engine.identity import fingerprint, flatten, result_config
 from bnexp.probes.callback import COLUMNS, PROBES_FILE, read_probes
+from bnexp.support.errors import DataError
+from bnexp.support.options import print_warning
 
 # The summary fields that tables and plots compute with: a number or null in any summary.
 NUMERIC_FIELDS = re.compile(r"(final|best)_\w+|steps_per_epoch|num_classes|wall_seconds|epochs|steps|params")
@@ -71,7 +71,7 @@ def read_summary(path: Path) -> dict[str, Any]:
 def summary_row(path: Path) -> Optional[dict[str, Any]]:
     """One run: status, metrics, the config flattened to dotted keys (``act.name``), the
     job's overrides as ``overrides.<key>`` (``overrides.cbn_row``: the values its sweep gave),
-    and its identity: ``fingerprint`` and ``result_config`` (:mod:`bnexp.identity`). A run
+    and its identity: ``fingerprint`` and ``result_config`` (:mod:`bnexp.engine.identity`). A run
     whose summary cannot be used counts as failed; one whose overrides cannot is None (left
     out); a warning names the file either way."""
     try:

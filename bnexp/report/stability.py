@@ -16,8 +16,8 @@ from typing import Any, Mapping, Optional
 
 import pandas as pd
 
-from bnexp.errors import ConfigError
 from bnexp.report.results import load_probes
+from bnexp.support.errors import ConfigError
 
 CHANCE_LOSS_BAND = 0.05  # a final loss no more than 5% below ln(classes) ...
 CHANCE_TOP1_FACTOR = 2.0  # ... with a test top-1 below twice the guessing rate: collapsed to chance

@@ -26,15 +26,15 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import pandas as pd
 from scipy import stats as scipy_stats
 
-from bnexp.commands import exit_on_error, output_errors
-from bnexp.errors import ConfigError, unknown_choice
-from bnexp.identity import differences, is_non_result
+from bnexp.engine.identity import differences, is_non_result
 from bnexp.reference import published
 from bnexp.report.layouts import METRIC_LABELS, METRICS, Layout, same
 from bnexp.report.presets import SEED, Preset, load_preset, parse_command, sweep_folder
 from bnexp.report.results import load_summaries, seconds_per_epoch
 from bnexp.report.stability import largest_stable
-from bnexp.runinfo import atomic_write
+from bnexp.support.errors import ConfigError, unknown_choice
+from bnexp.support.options import exit_on_error, output_errors
+from bnexp.support.runinfo import atomic_write
 
 FORMATS = ("markdown", "latex", "csv", "html")
 OUT_ELSEWHERE = "choose another place with out=PATH"  # when an output cannot be written

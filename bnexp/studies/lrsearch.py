@@ -22,10 +22,10 @@ from typing import Any
 
 import pandas as pd
 
-from bnexp.errors import unknown_choice
 from bnexp.probes.callback import enable_probe
 from bnexp.report.stability import collapsed, largest_stable, loss_endpoints, recorded_classes
 from bnexp.studies.runs import compose_config, list_option, run_command, run_or_reuse
+from bnexp.support.errors import unknown_choice
 
 PRESET = "experiment=cbn/table6"
 OPTIONS = {

@@ -9,14 +9,15 @@ from typing import Any, Callable, Sequence, TypeVar
 from hydra import compose
 from omegaconf import DictConfig
 
-from bnexp.checkpoint import read_config
-from bnexp.commands import exit_on_error, split_options
-from bnexp.config import check_published_lr, hydra_session, lr_not_applicable
-from bnexp.errors import ConfigError, OtherRunThere
-from bnexp.identity import differences, fingerprint
-from bnexp.runinfo import read_run_json
-from bnexp.runlock import RunLock
-from bnexp.sweep import skip_reason
+from bnexp.app.compose import hydra_session
+from bnexp.app.sweep import skip_reason
+from bnexp.engine.checkpoint import read_config
+from bnexp.engine.config import check_published_lr, lr_not_applicable
+from bnexp.engine.identity import differences, fingerprint
+from bnexp.support.errors import ConfigError, OtherRunThere
+from bnexp.support.options import exit_on_error, split_options
+from bnexp.support.runinfo import read_run_json
+from bnexp.support.runlock import RunLock
 
 T = TypeVar("T")
 
@@ -40,12 +41,12 @@ def run_or_reuse(cfg: DictConfig, run_dir: Path) -> tuple[dict[str, Any], bool]:
     """Train ``cfg`` in ``run_dir`` unless a finished run of the same config is there.
 
     Returns the run's summary and whether it was reused. As in a sweep
-    (:func:`bnexp.sweep.skip_reason`), a completed or diverged run is reused unless
+    (:func:`bnexp.app.sweep.skip_reason`), a completed or diverged run is reused unless
     ``trainer.resume=never``, and an unfinished one resumes from its checkpoint. A directory
-    holding another config (by :func:`bnexp.identity.fingerprint`) is an error (the study's
+    holding another config (by :func:`bnexp.engine.identity.fingerprint`) is an error (the study's
     results would mix two settings). The run's lock is held throughout.
     """
-    from bnexp.trainer import train
+    from bnexp.engine.trainer import train
 
     check_published_lr(cfg)  # before a study starts training on a data set the paper never used
     saved = read_config(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else None

@@ -1,10 +1,10 @@
 """bnexp's packing launcher (``hydra/launcher=pack``): a sweep's seeds trained as packs.
 
 The jobs of a multirun that differ only in ``trainer.seed`` are grouped
-(:func:`bnexp.sweep.pack_groups`), cut into packs of at most ``max_pack`` distinct seeds
-(:func:`bnexp.sweep.distinct_packs`), and each pack trains as one packed model in this
-process (:mod:`bnexp.pack`). A job alone in its pack, and the jobs of a group whose
-settings cannot be packed (probes, a logger, dropout: :func:`bnexp.pack.unpackable`), run
+(:func:`bnexp.app.sweep.pack_groups`), cut into packs of at most ``max_pack`` distinct seeds
+(:func:`bnexp.app.sweep.distinct_packs`), and each pack trains as one packed model in this
+process (:mod:`bnexp.engine.pack`). A job alone in its pack, and the jobs of a group whose
+settings cannot be packed (probes, a logger, dropout: :func:`bnexp.engine.pack.unpackable`), run
 one at a time as Hydra's basic launcher runs them. Every job keeps its own run directory
 and ledger entry.
 """
@@ -21,9 +21,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus, configure_log, run_job, setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from bnexp.errors import ConfigError
-from bnexp.pack import unpackable
-from bnexp.sweep import distinct_packs, pack_groups
+from bnexp.app.sweep import distinct_packs, pack_groups
+from bnexp.engine.pack import unpackable
+from bnexp.support.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class PackLauncher(BasicLauncher):
 
     def _run_pack(self, configs: list[DictConfig]) -> list[JobReturn]:
         """One pack: the first job's Hydra run trains them all; the others get their returns."""
-        from bnexp.app import train_pack_job
+        from bnexp.app.train import train_pack_job
 
         jobs = [_job(config) for config in configs]
         [first] = self._run(configs[0], lambda _: train_pack_job(jobs, sweeping=True))
@@ -85,7 +85,7 @@ class PackLauncher(BasicLauncher):
 
 def _job(config: DictConfig) -> Any:
     """A sweep job's config, Hydra config and run directory, as Hydra's run_job works them out."""
-    from bnexp.app import Job
+    from bnexp.app.train import Job
 
     HydraConfig.instance().set_config(config)
     run_dir = Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)

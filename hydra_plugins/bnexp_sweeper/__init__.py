@@ -1,7 +1,7 @@
 """bnexp's Hydra sweeper plugin (``hydra/sweeper=bnexp``, the default of ``bnexp train -m``).
 
 Hydra loads plugins only from the ``hydra_plugins`` package; which jobs a multirun makes is
-:func:`bnexp.sweep.expand`.
+:func:`bnexp.app.sweep.expand`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from bnexp.sweep import Sweep, describe_jobs, expand, plan
+from bnexp.app.sweep import Sweep, describe_jobs, expand, plan
 
 
 class BnexpSweeper(Sweeper):

@@ -1,6 +1,6 @@
 """Atomic, checksummed checkpoints, RNG capture and the search for the newest valid one.
 
-Checkpoints go through :func:`bnexp.runinfo.atomic_write`, so a crash or a full disk can
+Checkpoints go through :func:`bnexp.support.runinfo.atomic_write`, so a crash or a full disk can
 never leave a half-written file under a checkpoint's name. Beside each one, a
 ``<name>.sha256`` file (``sha256sum`` format, so ``sha256sum -c`` checks it too) holds the
 digest of its bytes; loading verifies it, so a flipped bit is an error, not a silent drift.
@@ -28,11 +28,11 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from bnexp.errors import ConfigError
-from bnexp.identity import differences, fingerprint
-from bnexp.runinfo import atomic_write
+from bnexp.engine.identity import differences, fingerprint
+from bnexp.support.errors import ConfigError
+from bnexp.support.runinfo import atomic_write
 
-log = logging.getLogger("bnexp.checkpoint")
+log = logging.getLogger("bnexp.engine.checkpoint")
 
 CHECKPOINT_DIR = "checkpoints"
 FINAL = "checkpoint.pt"  # a completed run's final state, in its directory

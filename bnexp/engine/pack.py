@@ -37,23 +37,17 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from tqdm import tqdm
 
-from bnexp import checkpoint
-from bnexp.callbacks import Callback, TrainState
-from bnexp.config import validate
 from bnexp.data import build_data, data_identity
 from bnexp.data.loaders import build_loaders, drop_last
-from bnexp.distributed import Dist
-from bnexp.errors import ConfigError, OtherRunThere
-from bnexp.identity import differences, fingerprint, run_differences
-from bnexp.methods import WeightNormLog, method_callbacks
-from bnexp.models import build_model, count_parameters
-from bnexp.models.packing import pack_inputs, pack_models, pack_state, packed_losses, unpack_state
-from bnexp.norms import uses_batch_statistics
-from bnexp.optim import build_optimizer, build_schedule, to_steps
-from bnexp.preemption import Preempted, PreemptionGuard
-from bnexp.runinfo import MetricsWriter, RunLogFile, configure_backends, resolve_device, seed_everything, version_stamp, write_json
-from bnexp.speed import Accelerated
-from bnexp.trainer import (
+from bnexp.engine import checkpoint
+from bnexp.engine.accel import Accelerated
+from bnexp.engine.callbacks import Callback, TrainState
+from bnexp.engine.config import validate
+from bnexp.engine.identity import differences, fingerprint, run_differences
+from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
+from bnexp.engine.optim import build_optimizer, build_schedule, to_steps
+from bnexp.engine.preemption import Preempted, PreemptionGuard
+from bnexp.engine.trainer import (
     CheckpointClock,
     TrainMeter,
     callback_key,
@@ -68,8 +62,22 @@ from bnexp.trainer import (
     total_steps,
     train_step,
 )
+from bnexp.models import build_model, count_parameters
+from bnexp.models.packing import pack_inputs, pack_models, pack_state, packed_losses, unpack_state
+from bnexp.nn.create_norm import uses_batch_statistics
+from bnexp.support.distributed import Dist
+from bnexp.support.errors import ConfigError, OtherRunThere
+from bnexp.support.runinfo import (
+    MetricsWriter,
+    RunLogFile,
+    configure_backends,
+    resolve_device,
+    seed_everything,
+    version_stamp,
+    write_json,
+)
 
-log = logging.getLogger("bnexp.pack")
+log = logging.getLogger("bnexp.engine.pack")
 
 PACK_KEY = "trainer.pack"
 

@@ -39,10 +39,10 @@ from typing import Any, Iterator, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from bnexp.callbacks import Callback, TrainState
-from bnexp.errors import ConfigError
-from bnexp.identity import flatten
-from bnexp.preemption import STOP_EXIT_CODES
+from bnexp.engine.callbacks import Callback, TrainState
+from bnexp.engine.identity import flatten
+from bnexp.engine.preemption import STOP_EXIT_CODES
+from bnexp.support.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -28,15 +28,15 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from bnexp.checkpoint import FINAL, read_config, resume_candidates, verified_bytes
-from bnexp.config import lr_not_applicable
 from bnexp.data.files import identity_problem
-from bnexp.errors import EXIT_FAILED, ConfigError, OtherRunThere
-from bnexp.identity import cell_name, differences, fingerprint, override_key, run_differences
-from bnexp.runinfo import read_run_json
-from bnexp.runlock import HELD_ENV
+from bnexp.engine.checkpoint import FINAL, read_config, resume_candidates, verified_bytes
+from bnexp.engine.config import lr_not_applicable
+from bnexp.engine.identity import cell_name, differences, fingerprint, override_key, run_differences
+from bnexp.support.errors import EXIT_FAILED, ConfigError, OtherRunThere
+from bnexp.support.runinfo import read_run_json
+from bnexp.support.runlock import HELD_ENV
 
-log = logging.getLogger("bnexp.sweep")
+log = logging.getLogger("bnexp.app.sweep")
 
 Sweep = Mapping[str, Any]  # one sweep as a preset writes it: key -> value(s) in override syntax
 Values = dict[str, list[str]]  # one sweep parsed: key -> its values

@@ -16,8 +16,8 @@ import threading
 from types import FrameType
 from typing import Any, Callable
 
-from bnexp.distributed import max_over_ranks
-from bnexp.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from bnexp.support.distributed import max_over_ranks
+from bnexp.support.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 

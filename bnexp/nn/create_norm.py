@@ -17,7 +17,6 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 from torch import nn
 
-from bnexp.errors import ConfigError, unknown_choice
 from bnexp.nn import (
     BatchRenorm1d,
     BatchRenorm2d,
@@ -32,7 +31,8 @@ from bnexp.nn import (
     ScaleInvariantBN1d,
     ScaleInvariantBN2d,
 )
-from bnexp.registry import Registry
+from bnexp.support.errors import ConfigError, unknown_choice
+from bnexp.support.registry import Registry
 
 AFTER_OP = "after_op"
 BEFORE_OP = "before_op"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Generic, Iterator, TypeVar
 
-from bnexp.errors import unknown_choice
+from bnexp.support.errors import unknown_choice
 
 T = TypeVar("T")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Optional
 
-from bnexp.errors import EXIT_LOCKED, BnexpError
+from bnexp.support.errors import EXIT_LOCKED, BnexpError
 
 log = logging.getLogger("bnexp.lock")
 

@@ -2,7 +2,7 @@
 
 The Hydra job that receives ``trainer.nproc > 1`` outside torchrun owns the run directory
 (it holds the directory's lock and has written its config there); it starts torchrun's
-agent (``python -m bnexp.launch --standalone --nproc_per_node=K -m bnexp train ...``: torchrun's
+agent (``python -m bnexp.app.torchrun --standalone --nproc_per_node=K -m bnexp train ...``: torchrun's
 own entry point behind :func:`agent_main`) with the same overrides and that directory, and
 waits. Inside torchrun, every rank composes the same config under the launcher's lock;
 ranks other than 0 write nothing (see :func:`rank_overrides`).
@@ -26,9 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bnexp.errors import ConfigError
-from bnexp.preemption import PreemptionGuard
-from bnexp.runlock import HELD_ENV, LOCK_NAME, join_held_lock
+from bnexp.engine.preemption import PreemptionGuard
+from bnexp.support.errors import ConfigError
+from bnexp.support.runlock import HELD_ENV, LOCK_NAME, join_held_lock
 
 RUN_DIR_ENV = "BNEXP_RUN_DIR"  # the run directory, handed to the ranks outside Hydra's override grammar
 PARENT_ENV = "BNEXP_PARENT_PID"  # the process a rank (or torchrun's agent) must not outlive
@@ -51,7 +51,7 @@ def torchrun_command(nproc: int, overrides: list[str]) -> list[str]:
     spaces or brackets), which Hydra's override grammar would parse.
     """
     return [
-        sys.executable, "-m", "bnexp.launch", "--standalone", f"--nproc_per_node={nproc}",
+        sys.executable, "-m", "bnexp.app.torchrun", "--standalone", f"--nproc_per_node={nproc}",
         "-m", "bnexp", "train", *overrides, f"hydra.run.dir=${{oc.env:{RUN_DIR_ENV}}}",
     ]
 
@@ -71,7 +71,7 @@ def die_with_parent(parent: int) -> None:
 
 def follow_launcher() -> None:
     """In a process started by bnexp's launcher (through torchrun): end with its parent, and
-    share the run's lock (:func:`bnexp.runlock.join_held_lock`) until it ends. Nothing
+    share the run's lock (:func:`bnexp.support.runlock.join_held_lock`) until it ends. Nothing
     elsewhere."""
     parent = os.environ.get(PARENT_ENV)
     if parent is None:

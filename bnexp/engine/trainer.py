@@ -25,24 +25,26 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from bnexp import checkpoint, distributed
-from bnexp.callbacks import Callback, TrainState, ended_on_stop
-from bnexp.config import RESUME_MODES, validate
 from bnexp.data import DataBundle, build_data, data_identity
 from bnexp.data.loaders import Loaders, build_loaders, drop_last
-from bnexp.distributed import Dist, gather_objects, max_over_ranks, sum_over_ranks
-from bnexp.errors import ConfigError, OtherRunThere
-from bnexp.identity import fingerprint, run_differences
-from bnexp.loggers import logger_callback
-from bnexp.methods import method_callbacks
+from bnexp.engine import checkpoint
+from bnexp.engine.accel import Accelerated
+from bnexp.engine.callbacks import Callback, TrainState, ended_on_stop
+from bnexp.engine.config import validate
+from bnexp.engine.identity import fingerprint, run_differences
+from bnexp.engine.loggers import logger_callback
+from bnexp.engine.method_hooks import method_callbacks
+from bnexp.engine.optim import build_optimizer, build_schedule, to_steps
+from bnexp.engine.preemption import Preempted, PreemptionGuard
+from bnexp.engine.schema import RESUME_MODES
 from bnexp.models import build_model, count_parameters
 from bnexp.models.packing import pack_inputs, per_run
-from bnexp.norms import uses_batch_statistics
-from bnexp.optim import build_optimizer, build_schedule, to_steps
-from bnexp.preemption import Preempted, PreemptionGuard
+from bnexp.nn.create_norm import uses_batch_statistics
 from bnexp.probes.callback import probes_callback
-from bnexp.runinfo import MetricsWriter, configure_backends, resolve_device, seed_everything, version_stamp, write_json
-from bnexp.speed import Accelerated
+from bnexp.support import distributed
+from bnexp.support.distributed import Dist, gather_objects, max_over_ranks, sum_over_ranks
+from bnexp.support.errors import ConfigError, OtherRunThere
+from bnexp.support.runinfo import MetricsWriter, configure_backends, resolve_device, seed_everything, version_stamp, write_json
 
 log = logging.getLogger("bnexp.train")
 

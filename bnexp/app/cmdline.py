@@ -26,8 +26,9 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from bnexp.config import config_dir, hydra_session, is_group, meaningless, parser, validate
-from bnexp.errors import ConfigError
+from bnexp.app.compose import config_dir, hydra_session, is_group, parser
+from bnexp.engine.config import meaningless, validate
+from bnexp.support.errors import ConfigError
 
 # Hydra flags followed by a value, and flags after which Hydra does not compose train.yaml
 # (help, another config, shell completion): the latter are left to Hydra.
@@ -216,7 +217,7 @@ def with_value(cfg: DictConfig, key: str, value: Any) -> DictConfig:
 
 def check_values(cfg: DictConfig, task: list[str], swept: Sequence[tuple[str, Any]]) -> None:
     """The values of a composed config, and each swept value in its place: valid
-    (:func:`bnexp.config.validate`), group names that match the choices, no norm setting
+    (:func:`bnexp.engine.config.validate`), group names that match the choices, no norm setting
     that the chosen norm ignores."""
     bind(cfg, task)
     for job in [cfg, *(with_value(cfg, key, value) for key, value in swept)]:

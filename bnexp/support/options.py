@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
-from bnexp.errors import BnexpError, ConfigError
+from bnexp.support.errors import BnexpError, ConfigError
 
 
 def print_error(message: str) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 import bnexp
-from bnexp.errors import ConfigError
+from bnexp.support.errors import ConfigError
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
@@ -52,7 +52,7 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     A CUDA device is the current one (``torch.cuda.set_device``), or, for a process started
     by torchrun, GPU ``local_rank`` of the visible ones; where each process sees one GPU
     (SLURM binding one GPU per task), that one. (``trainer.nproc`` processes on a machine
-    with fewer GPUs are refused before they start: :func:`bnexp.launch.check_gpus`.)
+    with fewer GPUs are refused before they start: :func:`bnexp.app.torchrun.check_gpus`.)
     """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

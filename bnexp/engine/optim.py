@@ -9,9 +9,9 @@ from torch import nn
 from torch.optim import SGD, Adam, Optimizer
 from torch.optim.lr_scheduler import ChainedScheduler, ConstantLR, LinearLR, LRScheduler, MultiStepLR
 
-from bnexp.errors import ConfigError, unknown_choice
+from bnexp.models.scale_invariance import parameter_groups
 from bnexp.nn import FourThingsBN
-from bnexp.scale_invariance import parameter_groups
+from bnexp.support.errors import ConfigError, unknown_choice
 
 OPTIMIZERS = ("sgd", "adam")
 UNITS = ("epoch", "step")

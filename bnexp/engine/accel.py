@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from bnexp.errors import ConfigError, unknown_choice
+from bnexp.support.errors import ConfigError, unknown_choice
 
 AMP_DTYPES: dict[str, Optional[torch.dtype]] = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

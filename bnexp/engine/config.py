@@ -1,71 +1,19 @@
-"""Locating the Hydra config tree and checking a composed config before a run starts."""
+"""Checking a composed config before a run starts: the schema's types and ranges, then the
+rules that tie keys together (which flags a norm or optimizer makes meaningless)."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
-from hydra import initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from bnexp.distributed import Dist, split_batch
-from bnexp.errors import ConfigError
-from bnexp.identity import flatten, override_key
-from bnexp.norms import NORM_LAYERS, uses_batch_statistics
-from bnexp.optim import UNITS
-
-DEVICES = ("auto", "cpu", "cuda")
-CHECKPOINT_UNITS = (*UNITS, "minute")  # minutes of wall time: bnexp/trainer.py CheckpointClock
-RESUME_MODES = ("auto", "never")  # or the path of a checkpoint file
-
-
-def config_dir() -> Path:
-    """``configs/`` of a source checkout, else the copy installed as ``bnexp.configs``."""
-    checkout = Path(__file__).resolve().parent.parent / "configs"
-    if (checkout / "train.yaml").is_file():
-        return checkout
-    return Path(str(resources.files("bnexp.configs")))
-
-
-@contextmanager
-def hydra_session() -> Iterator[None]:
-    """A Hydra context on bnexp's config tree (outside any running Hydra app), for ``compose``."""
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        yield
-
-
-def parser() -> OverridesParser:
-    """Hydra's override parser on bnexp's config tree (call inside :func:`hydra_session`)."""
-    return OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-
-
-def is_group(o: Override) -> bool:
-    """Whether an override chooses a config group option (``norm=cbn``, ``hydra/launcher=joblib``)."""
-    key = o.key_or_group
-    return key.startswith("hydra/") or ("." not in key and (config_dir() / key).is_dir())
-
-
-def register_resolvers() -> None:
-    """OmegaConf resolvers the config tree uses (``${run_name:...}``, ``${cell_name:...}``,
-    ``${sweep_name:...}``, ``${bnp_lr:...}``)."""
-    from bnexp.identity import cell_name, run_name
-    from bnexp.reference import bnp_lr
-
-    for name, resolver in (("run_name", run_name), ("cell_name", cell_name), ("bnp_lr", bnp_lr)):
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, resolver)
-    # A sweep's folder is named once, from the sweep's command line: Hydra copies a cached
-    # value into every job's config (as it does for ${now:...}), where hydra.overrides.task
-    # holds the job's overrides instead.
-    if not OmegaConf.has_resolver("sweep_name"):
-        OmegaConf.register_new_resolver("sweep_name", run_name, use_cache=True)
+from bnexp.engine.identity import flatten, override_key
+from bnexp.engine.schema import MAX_SEED, RESUME_MODES, check_schema
+from bnexp.nn.create_norm import NORM_LAYERS, uses_batch_statistics
+from bnexp.support.distributed import Dist, split_batch
+from bnexp.support.errors import ConfigError
 
 
 def uses_bnp_lr(cfg: DictConfig) -> bool:
@@ -174,8 +122,6 @@ def _warmup(cfg: DictConfig) -> None:
 def _seeds(cfg: DictConfig) -> None:
     """The seeds a run draws (``trainer.seed`` plus the rank, or plus the member of a pack)
     fit numpy's 32 bits."""
-    from bnexp.schema import MAX_SEED
-
     seed, runs = cfg.trainer.seed, max(cfg.trainer.nproc, cfg.trainer.pack)
     if seed + runs - 1 > MAX_SEED:
         raise ConfigError(f"trainer.seed={seed} is too large for trainer.nproc={cfg.trainer.nproc} and trainer.pack="
@@ -184,12 +130,10 @@ def _seeds(cfg: DictConfig) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Reject impossible values with one message naming the key, the value and the rule: the
-    types and ranges of the schema (:mod:`bnexp.schema`), then the rules that tie keys together."""
-    from bnexp.schema import check_schema  # imports the modules whose choices it names
-
+    types and ranges of the schema (:mod:`bnexp.engine.schema`), then the rules that tie keys together."""
     values = resolved(cfg)
     check_published_lr(cfg)
-    if lr_not_applicable(cfg):  # no run: the sweep skips the cell (bnexp.sweep.skip_reason)
+    if lr_not_applicable(cfg):  # no run: the sweep skips the cell (bnexp.app.sweep.skip_reason)
         return
     check_schema(values)
     _milestones(values)

@@ -12,11 +12,11 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from bnexp.callbacks import Callback, TrainState
-from bnexp.distributed import bnp_reducer
+from bnexp.engine.callbacks import Callback, TrainState
+from bnexp.models.scale_invariance import scale_invariant_weights, weight_norms
 from bnexp.nn import BNP, NormFamily
-from bnexp.runinfo import MetricsWriter
-from bnexp.scale_invariance import scale_invariant_weights, weight_norms
+from bnexp.support.distributed import bnp_reducer
+from bnexp.support.runinfo import MetricsWriter
 
 
 class AmatLearningRate(Callback):

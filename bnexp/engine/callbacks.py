@@ -1,7 +1,7 @@
 """Extension points of the training loop.
 
-Methods (AMAT, BNP), probes and loggers plug into :func:`bnexp.trainer.train` through these
-hooks instead of editing the loop; :func:`bnexp.trainer.build_callbacks` lists which run, in
+Methods (AMAT, BNP), probes and loggers plug into :func:`bnexp.engine.trainer.train` through these
+hooks instead of editing the loop; :func:`bnexp.engine.trainer.build_callbacks` lists which run, in
 which order. Each hook receives the live :class:`TrainState`; a hook that does nothing costs
 nothing.
 """
@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
-from bnexp.distributed import Dist
+from bnexp.support.distributed import Dist
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class Callback:
 
 def stop_status(err: BaseException) -> str:
     """The status a run stopped by ``err`` ends with: a signal's (``preempted``,
-    ``interrupted``, set by :class:`bnexp.preemption.Preempted`), Ctrl-C's, or ``failed``."""
+    ``interrupted``, set by :class:`bnexp.engine.preemption.Preempted`), Ctrl-C's, or ``failed``."""
     return getattr(err, "status", "interrupted" if isinstance(err, KeyboardInterrupt) else "failed")
 
 

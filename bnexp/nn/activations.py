@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from bnexp.registry import Registry
+from bnexp.support.registry import Registry
 
 ACTIVATIONS: Registry[type[nn.Module]] = Registry("activation")
 ACTIVATIONS.register("sigmoid")(nn.Sigmoid)

@@ -26,14 +26,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from bnexp.commands import print_error, print_warning
-from bnexp.config import config_dir, meaningless, register_resolvers, validate
-from bnexp.distributed import from_environment
-from bnexp.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, ConfigError
-from bnexp.launch import check_gpus, follow_launcher, rank_overrides
-from bnexp.preemption import STOP_EXIT_CODES, Preempted
-from bnexp.runinfo import storage_error
-from bnexp.runlock import HELD_ENV, RunLock, RunLocked
+from bnexp.app.compose import config_dir, register_resolvers
+from bnexp.app.torchrun import check_gpus, follow_launcher, rank_overrides
+from bnexp.engine.config import meaningless, validate
+from bnexp.engine.preemption import STOP_EXIT_CODES, Preempted
+from bnexp.support.distributed import from_environment
+from bnexp.support.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, ConfigError
+from bnexp.support.options import print_error, print_warning
+from bnexp.support.runinfo import storage_error
+from bnexp.support.runlock import HELD_ENV, RunLock, RunLocked
 
 log = logging.getLogger("bnexp")
 
@@ -95,7 +96,7 @@ def train_job(cfg: DictConfig) -> float:
     """One Hydra job; returns the run's final top-1 (:func:`result_value`: NaN when it did
     not complete).
 
-    The outcome goes to the sweep's ledger (:func:`bnexp.sweep.record`). A failure ends a
+    The outcome goes to the sweep's ledger (:func:`bnexp.app.sweep.record`). A failure ends a
     single run with its exit code; in a sweep the next cell runs. A preemption or Ctrl-C
     ends the sweep (the whole job is being stopped). ``trainer.pack=K`` trains seeds
     ``trainer.seed`` to ``trainer.seed + K - 1`` as one pack (:func:`pack_jobs`).
@@ -127,7 +128,7 @@ ENDED = ("completed", "diverged")  # the statuses of a run that a signal cannot 
 def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[str, Any]]]) -> list[Any]:
     """Run ``work`` (the (status, value) of each of ``run_dirs``), recording each outcome in
     the sweep's ledger; returns the values (:func:`result_value`), NaN for a run that failed."""
-    from bnexp.sweep import record
+    from bnexp.app.sweep import record
 
     where = ", ".join(str(d) for d in run_dirs)
     try:
@@ -179,7 +180,7 @@ def pack_jobs(job: Job, pack: int) -> list[Job]:
     each as its own command (``trainer.seed=S``, without ``trainer.pack``) would run it, in
     the directory that command would use; with a custom ``hydra.run.dir``, the others go
     beside it as ``<dir>-seed<S>``."""
-    from bnexp.identity import override_key, run_name
+    from bnexp.engine.identity import override_key, run_name
 
     first = int(job.cfg.trainer.seed)
     given = [o for o in job.hydra_cfg.overrides.task if override_key(o) != "trainer.pack"]
@@ -216,8 +217,8 @@ def with_overrides(hydra_cfg: DictConfig, task: list[str], run_dir: Path) -> Dic
 def train_pack_job(jobs: list[Job], sweeping: bool) -> list[Any]:
     """Train ``jobs`` (runs that differ in their seed only) as one pack: each takes its
     directory's lock and is skipped when finished already; the rest train together
-    (:mod:`bnexp.pack`). Returns each run's :func:`result_value`."""
-    from bnexp.sweep import record
+    (:mod:`bnexp.engine.pack`). Returns each run's :func:`result_value`."""
+    from bnexp.app.sweep import record
 
     values: dict[Path, float] = {}
     with ExitStack() as locks:
@@ -261,7 +262,7 @@ def frozen_runs(jobs: list[Job], todo: list[Job]) -> list[Job]:
 def prepare_job(job: Job, write: bool) -> bool:
     """Whether a job is to be skipped (finished already); if not, its ``.hydra/`` is
     written when ``write`` (the main process)."""
-    from bnexp.sweep import skip_reason
+    from bnexp.app.sweep import skip_reason
 
     meaningless(job.cfg, job.hydra_cfg.overrides.task)
     reason = skip_reason(job.cfg, job.run_dir)
@@ -276,7 +277,7 @@ def prepare_job(job: Job, write: bool) -> bool:
 def pack_outcomes(jobs: list[Job], frozen: Sequence[Job] = ()) -> list[tuple[str, Any]]:
     """Train ``jobs`` as one pack, those in ``frozen`` (diverged before) frozen in their slots;
     (status, final top-1) of each of the others."""
-    from bnexp.pack import train_pack
+    from bnexp.engine.pack import train_pack
 
     summaries = train_pack([job.cfg for job in jobs], [job.run_dir for job in jobs], [job in frozen for job in jobs])
     for job, summary in zip([job for job in jobs if job not in frozen], summaries):
@@ -286,8 +287,8 @@ def pack_outcomes(jobs: list[Job], frozen: Sequence[Job] = ()) -> list[tuple[str
 
 def run_job(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: Path, sweeping: bool) -> tuple[str, Any]:
     """Skip, launch or train one job holding its directory's lock; (status, final top-1)."""
-    from bnexp.sweep import spread_over_gpus
-    from bnexp.trainer import train
+    from bnexp.app.sweep import spread_over_gpus
+    from bnexp.engine.trainer import train
 
     launched = HELD_ENV in os.environ  # a rank of bnexp's launcher, which has written .hydra/ already
     if prepare_job(Job(cfg, hydra_cfg, run_dir), write=from_environment().is_main and not launched):
@@ -317,8 +318,8 @@ def save_hydra_files(run_dir: Path, hydra_cfg: DictConfig, cfg: DictConfig) -> N
 def _launch_processes(nproc: int, overrides: list[str], run_dir: Path, sweeping: bool) -> str:
     """Run this job as ``nproc`` torchrun processes; a failure ends a single run as a
     one-process run ends, with one line saying so. Returns the run's status."""
-    from bnexp.launch import run_under_torchrun
-    from bnexp.sweep import job_status, record
+    from bnexp.app.sweep import job_status, record
+    from bnexp.app.torchrun import run_under_torchrun
 
     code = run_under_torchrun(nproc, overrides, run_dir)
     status, error = job_status(run_dir)
@@ -374,8 +375,8 @@ def search_sweeper(args: Sequence[str]) -> list[str]:
 def train_command(args: list[str]) -> None:
     """``bnexp train``: check the command line, then hand it to Hydra. ``--dry-run`` (with
     ``-m``) lists a sweep's jobs and run directories without running them."""
-    from bnexp.cmdline import DRY_RUN, check_command_line
-    from bnexp.sweep import finish_report
+    from bnexp.app.cmdline import DRY_RUN, check_command_line
+    from bnexp.app.sweep import finish_report
 
     register_resolvers()
     register_plugins()

@@ -1,11 +1,11 @@
 """The typed schema of a composed ``bnexp train`` config: the type and range of every key.
 
 pydantic checks it in strict mode (:func:`check_schema`, called by
-:func:`bnexp.config.validate`): a string is never read as a bool or a number (``"no"`` is
+:func:`bnexp.engine.config.validate`): a string is never read as a bool or a number (``"no"`` is
 not ``false``), NaN and infinity are no numbers, and every bound is part of the type. One
 schema per config group covers the keys of all its options (a key means the same in every
 option that has it); a key may be absent, and keys the schema does not name pass unchecked
-(the command line cannot add any: see :mod:`bnexp.cmdline`). docs/experiments.md
+(the command line cannot add any: see :mod:`bnexp.app.cmdline`). docs/experiments.md
 ("Checked values") says why. The schema only checks: the config a run trains with, and so
 its fingerprint, is the one Hydra composed.
 """
@@ -17,18 +17,20 @@ from annotated_types import Ge, Gt, Le, Lt
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
 
-from bnexp.config import CHECKPOINT_UNITS, DEVICES
 from bnexp.data.loaders import LOADERS, SAMPLINGS
-from bnexp.errors import ConfigError, unknown_choice
+from bnexp.engine.accel import AMP_DTYPES
+from bnexp.engine.optim import OPTIMIZERS, SCHEDULES, UNITS, WARMUPS
 from bnexp.models.bnp_nets import PADDINGS
+from bnexp.nn.create_norm import JOINS, PLACEMENTS
 from bnexp.nn.family import ADAPTIVE, AMAT_UPDATES
-from bnexp.norms import JOINS, PLACEMENTS
-from bnexp.optim import OPTIMIZERS, SCHEDULES, UNITS, WARMUPS
-from bnexp.speed import AMP_DTYPES
+from bnexp.support.errors import ConfigError, unknown_choice
 
 # numpy seeds its generator with 32 bits (trainer.seed, and each rank's or pack member's
 # seed after it; data.split_seed through scikit-learn); torch.Generator takes 64 (data.seed).
 MAX_SEED = 2**32 - 1
+DEVICES = ("auto", "cpu", "cuda")
+CHECKPOINT_UNITS = (*UNITS, "minute")  # minutes of wall time: bnexp/engine/trainer.py CheckpointClock
+RESUME_MODES = ("auto", "never")  # or the path of a checkpoint file
 MAX_DATA_SEED = 2**64 - 1
 # No bnexp model trains much wider on one GPU: at this width a hidden layer of an MLP holds
 # 2**32 weights (16 GiB in float32), a 3x3 convolution of a CIFAR ResNet's last stage ~2**39.
@@ -187,7 +189,7 @@ class TrainerKeys(TypedDict, total=False):
     keep_checkpoints: Count
     resume: str
     init_from: Optional[str]
-    amp: Optional[choice((*AMP_DTYPES, False))]  # YAML reads a bare off as false (bnexp.speed.amp_mode)
+    amp: Optional[choice((*AMP_DTYPES, False))]  # YAML reads a bare off as false (bnexp.engine.accel.amp_mode)
     channels_last: bool
     compile: bool
 
@@ -227,7 +229,7 @@ class TrainKeys(TypedDict, total=False):
     tags: dict[str, Any]
     weight_decay_by_norm: dict[str, NonNegative]  # the BNP presets' settings per norm
     norm_defaults: dict[str, Any]  # configs/norm_defaults/: its options hold no keys (they choose files)
-    lookup: dict[str, Any]  # tables preset keys read (bnexp.identity.LOOKUP_KEYS); the keys they set are checked
+    lookup: dict[str, Any]  # tables preset keys read (bnexp.engine.identity.LOOKUP_KEYS); the keys they set are checked
 
 
 SCHEMA = TypeAdapter(TrainKeys)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 
-from bnexp.errors import BnexpError, ConfigError
+from bnexp.support.errors import BnexpError, ConfigError
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The ``bnexp train`` Hydra application and the sweep machinery around it."""

@@ -1,0 +1,58 @@
+"""bnexp's Hydra config tree: where it is, a Hydra session on it for ``compose``, the
+override parser and the OmegaConf resolvers the tree uses."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from importlib import resources
+from pathlib import Path
+from typing import Iterator
+
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from omegaconf import OmegaConf
+
+from bnexp.engine.identity import cell_name, run_name
+from bnexp.reference import bnp_lr
+
+
+def config_dir() -> Path:
+    """``configs/`` of a source checkout, else the copy installed as ``bnexp.configs``."""
+    checkout = Path(__file__).resolve().parents[2] / "configs"
+    if (checkout / "train.yaml").is_file():
+        return checkout
+    return Path(str(resources.files("bnexp.configs")))
+
+
+@contextmanager
+def hydra_session() -> Iterator[None]:
+    """A Hydra context on bnexp's config tree (outside any running Hydra app), for ``compose``."""
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        yield
+
+
+def parser() -> OverridesParser:
+    """Hydra's override parser on bnexp's config tree (call inside :func:`hydra_session`)."""
+    return OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+
+
+def is_group(o: Override) -> bool:
+    """Whether an override chooses a config group option (``norm=cbn``, ``hydra/launcher=joblib``)."""
+    key = o.key_or_group
+    return key.startswith("hydra/") or ("." not in key and (config_dir() / key).is_dir())
+
+
+def register_resolvers() -> None:
+    """OmegaConf resolvers the config tree uses (``${run_name:...}``, ``${cell_name:...}``,
+    ``${sweep_name:...}``, ``${bnp_lr:...}``)."""
+    for name, resolver in (("run_name", run_name), ("cell_name", cell_name), ("bnp_lr", bnp_lr)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
+    # A sweep's folder is named once, from the sweep's command line: Hydra copies a cached
+    # value into every job's config (as it does for ${now:...}), where hydra.overrides.task
+    # holds the job's overrides instead.
+    if not OmegaConf.has_resolver("sweep_name"):
+        OmegaConf.register_new_resolver("sweep_name", run_name, use_cache=True)
