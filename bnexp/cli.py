@@ -17,9 +17,12 @@ import os
 import sys
 from typing import Callable
 
+import torch
+
 from bnexp.app.train import train_command
 from bnexp.support.errors import EXIT_CONFIG
 from bnexp.support.options import print_error
+from bnexp.support.runinfo import source_of_bnexp
 
 USAGE = """usage: bnexp <command> [args]
 
@@ -70,10 +73,6 @@ EXTRAS = {"plot": ("matplotlib", "plot"), "hessian": ("matplotlib", "plot")}
 
 def version() -> str:
     """``bnexp --version``: bnexp's version and source (a git checkout's commit), torch's."""
-    import torch
-
-    from bnexp.support.runinfo import source_of_bnexp
-
     source = source_of_bnexp()
     where = f"git {source['git_commit'][:12]}{' (dirty)' if source['git_dirty'] else ''}" if source["git_commit"] \
         else "installed package"

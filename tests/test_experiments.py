@@ -14,7 +14,8 @@ from bnexp.reference import published
 from bnexp.report.layouts import same
 from bnexp.report.presets import count, job_configs, load_preset, preset_names
 from bnexp.report.reproduce import reproduce, stage_one, stage_two
-from bnexp.report.table import combos, paper_value
+from bnexp.report.selection import combos
+from bnexp.report.table import paper_value
 from tests.conftest import TINY, compose_cfg, read_summary, run_cli
 
 # (3 untuned rows + 4 tuned rows x 6 rho) x 5 activations x 10 seeds

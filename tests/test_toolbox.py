@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import bnexp
-from bnexp.app.train import result_value
+from bnexp.app.jobs import result_value
 from bnexp.cli import COMMANDS, main
 from bnexp.engine.callbacks import Callback, TrainState, stop_status
 from bnexp.engine.preemption import Preempted
@@ -71,7 +71,7 @@ def test_result_value_is_a_float_for_every_outcome() -> None:
 def test_a_skipped_run_returns_its_stored_top1(tmp_path: Path, capsys) -> None:
     from omegaconf import OmegaConf
 
-    from bnexp.app.train import run_job
+    from bnexp.app.jobs import run_job
 
     assert run_cli(["train", *TINY, f"hydra.run.dir={tmp_path / 'run'}"], capsys)[0] == 0
     stored = json.loads((tmp_path / "run" / "summary.json").read_text())["final_top1"]
@@ -116,7 +116,7 @@ def test_provenance_is_bnexp_s_own_checkout_never_the_caller_s(tmp_path: Path) -
     git(checkout, "commit", "-qm", "x")
     clean = source_from(checkout)
     assert len(clean["git_commit"]) == 40 and clean["git_dirty"] is False
-    (checkout / "bnexp" / "commands.py").write_text((checkout / "bnexp" / "commands.py").read_text() + "\n")
+    (checkout / "bnexp" / "support" / "options.py").write_text((checkout / "bnexp" / "support" / "options.py").read_text() + "\n")
     assert source_from(checkout)["git_dirty"] is True
     project = tmp_path / "project"  # the user's repository, with bnexp inside it (vendored, a venv)
     shutil.copytree(ROOT / "bnexp", project / "lib" / "bnexp", ignore=ignore)

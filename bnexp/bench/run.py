@@ -23,7 +23,7 @@ import pandas as pd
 from joblib import Parallel, delayed
 from omegaconf import DictConfig
 
-from bnexp.app.train import with_value
+from bnexp.app.jobs import with_value
 from bnexp.bench.common import Record, compose_train, device_of, record
 from bnexp.engine.pack import train_pack
 from bnexp.engine.trainer import train

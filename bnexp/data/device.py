@@ -5,7 +5,7 @@ gathered from them by index, augmented there (pad-and-crop plus horizontal flip 
 whole batch in one gather) and normalized there: no worker processes, no per-sample
 Python, one small index copy per epoch.
 
-Indices come from the run's :class:`~bnexp.data.loaders.EpochSampler`, so the data order
+Indices come from the run's :class:`~bnexp.data.sampling.EpochSampler`, so the data order
 is the same as with ``data.loader=torch``: drawn once per epoch on the host as a tensor and
 copied to the device in one transfer. The crops and flips of a whole epoch are drawn at
 its start, on the device, from a generator seeded by (seed, epoch, rank): three kernels per
@@ -19,7 +19,7 @@ operation, so evaluation batches are bit-identical between the two loaders.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
@@ -27,9 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bnexp.data.arrays import ArrayData
-
-if TYPE_CHECKING:
-    from bnexp.data.loaders import EpochSampler
+from bnexp.data.sampling import EpochSampler
 
 Batch = tuple[Tensor, Tensor]
 

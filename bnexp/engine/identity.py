@@ -15,6 +15,8 @@ from typing import Any, Iterable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
+from bnexp.data.files import changed_files
+
 # Settings that do not change what a run computes: where it logs, how often it saves or
 # prints, how long its processes wait for each other, which device it runs on, whether it
 # trains packed with other seeds (the same computation, rounded differently), whether data
@@ -125,8 +127,6 @@ def run_differences(there: Mapping[str, Any], here: Mapping[str, Any],
     """What makes a recorded run (its config ``there`` and the identity of its data files,
     ``data_there``) another run than ``here``: the settings that differ (:func:`differences`),
     then the data files whose content changed since; empty for the same run."""
-    from bnexp.data.files import changed_files
-
     settings = [differences(there, here)] if fingerprint(there) != fingerprint(here) else []
     return "; ".join(settings + changed_files(data_there))
 

@@ -17,7 +17,8 @@ from annotated_types import Ge, Gt, Le, Lt
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
 
-from bnexp.data.loaders import LOADERS, SAMPLINGS
+from bnexp.data.loaders import LOADERS
+from bnexp.data.sampling import SAMPLINGS
 from bnexp.engine.accel import AMP_DTYPES
 from bnexp.engine.optim import OPTIMIZERS, SCHEDULES, UNITS, WARMUPS
 from bnexp.models.bnp_nets import PADDINGS

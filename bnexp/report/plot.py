@@ -23,9 +23,9 @@ from bnexp.probes.plot import literal, plot_results  # noqa: E402
 from bnexp.report.layouts import Layout, same  # noqa: E402
 from bnexp.report.presets import Preset, load_preset, parse_command, sweep_folder  # noqa: E402
 from bnexp.report.results import load_metrics, load_probes, load_summaries  # noqa: E402
-from bnexp.report.table import OUT_ELSEWHERE, choose, combos, preset_runs, select, varying  # noqa: E402
+from bnexp.report.selection import choose, combos, preset_runs, select, varying  # noqa: E402
 from bnexp.support.errors import ConfigError  # noqa: E402
-from bnexp.support.options import exit_on_error, output_errors  # noqa: E402
+from bnexp.support.options import OUT_ELSEWHERE, exit_on_error, output_errors  # noqa: E402
 from bnexp.support.runinfo import atomic_write  # noqa: E402
 
 METRIC_NAMES = {"train_loss": "training loss", "test_loss": "test loss", "test_acc": "test top-1 (%)",

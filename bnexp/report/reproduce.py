@@ -17,9 +17,11 @@ import sys
 from typing import Optional, Sequence
 
 from bnexp.app.sweep import describe_jobs
+from bnexp.app.train import multirun
 from bnexp.report.presets import SEED, Preset, count, estimate, load_preset, parse_command, preset_overrides
 from bnexp.report.results import load_summaries
-from bnexp.report.table import best_choice, preset_runs, select, table_text
+from bnexp.report.selection import best_choice, preset_runs, select
+from bnexp.report.table import table_text
 from bnexp.support.errors import EXIT_CONFIG, ConfigError
 from bnexp.support.options import exit_on_error
 
@@ -29,8 +31,6 @@ Lines = list[str]  # one command-line sweep, "key=value" lines
 def launch(p: Preset, sweep: Optional[Sequence[str]] = None) -> int:
     """``bnexp train -m`` over the preset, in-process: its own sweeps, or only ``sweep``.
     Returns EXIT_FAILED when cells failed, else 0."""
-    from bnexp.app.train import multirun
-
     only = [] if sweep is None else ["hydra.sweeper.sweeps=[]", *sweep]
     return multirun([*preset_overrides(p.name, p.scale), *default_launcher(p.overrides), *p.overrides, *only])
 

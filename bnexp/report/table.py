@@ -17,8 +17,6 @@ import html
 import io
 import itertools
 import math
-import sys
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
@@ -26,18 +24,16 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import pandas as pd
 from scipy import stats as scipy_stats
 
-from bnexp.engine.identity import differences, is_non_result
 from bnexp.reference import published
 from bnexp.report.layouts import METRIC_LABELS, METRICS, Layout, same
 from bnexp.report.presets import SEED, Preset, load_preset, parse_command, sweep_folder
 from bnexp.report.results import load_summaries, seconds_per_epoch
-from bnexp.report.stability import largest_stable
+from bnexp.report.selection import choose, combos, preset_runs, select, varying
 from bnexp.support.errors import ConfigError, unknown_choice
-from bnexp.support.options import exit_on_error, output_errors
+from bnexp.support.options import OUT_ELSEWHERE, exit_on_error, output_errors
 from bnexp.support.runinfo import atomic_write
 
 FORMATS = ("markdown", "latex", "csv", "html")
-OUT_ELSEWHERE = "choose another place with out=PATH"  # when an output cannot be written
 # Characters of bnexp's tables that pdflatex does not take as they are, and what it takes.
 LATEX_TEXT = {"±": r"$\pm$", "Δ": r"$\Delta$", "–": "--", "×": r"$\times$", "ρ": r"$\rho$", "η": r"$\eta$",
               "κ": r"$\kappa$", "τ": r"$\tau$", "≤": r"$\leq$", "≥": r"$\geq$"}
@@ -75,16 +71,6 @@ class Cell:
         return f"{value} {counts}{tuned}"
 
 
-def select(frame: pd.DataFrame, keys: Mapping[str, Any]) -> pd.DataFrame:
-    """The runs whose config matches every key (none when a key was never recorded)."""
-    mask = pd.Series(True, index=frame.index)
-    for key, value in keys.items():
-        if key not in frame:
-            return frame.iloc[0:0]
-        mask &= frame[key].map(lambda v: same(v, value)).astype(bool)
-    return frame[mask]
-
-
 def stats(runs: pd.DataFrame, metric: str, expected: int, choice: Any = None) -> Cell:
     """Mean and sample std of ``metric`` over completed runs; the other runs counted."""
     status = runs["status"] if "status" in runs else pd.Series(dtype=str)
@@ -95,29 +81,6 @@ def stats(runs: pd.DataFrame, metric: str, expected: int, choice: Any = None) ->
     mean = float(done.mean()) if n else math.nan
     # anything neither completed with a value nor diverged counts as failed
     return Cell(mean, std, n, diverged, len(runs) - n - diverged, max(0, expected - len(runs)), choice)
-
-
-def completed(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """The completed runs that recorded ``metric``."""
-    return runs[(runs["status"] == "completed") & runs[metric].notna()] if metric in runs else runs.iloc[0:0]
-
-
-def best_choice(runs: pd.DataFrame, key: str, metric: str, seed: str = "trainer.seed") -> Any:
-    """The tuned value with the highest mean, compared on the seeds every value completed."""
-    done = completed(runs, metric)
-    if done.empty:
-        return None
-    groups = dict(tuple(done.groupby(key)))
-    common = set.intersection(*(set(g[seed]) for g in groups.values()))
-    means = {v: g[g[seed].isin(common)][metric].mean() if common else g[metric].mean() for v, g in groups.items()}
-    return max(sorted(means), key=lambda v: means[v])
-
-
-def choose(layout: Layout, runs: pd.DataFrame, metric: str) -> Any:
-    """The tuned value a cell reports: the best mean, or the largest stable value (Table 6)."""
-    if not len(runs):
-        return None
-    return best_choice(runs, layout.tune, metric) if layout.select == "best" else largest_stable(runs, layout.tune)
 
 
 def expected_runs(layout: Layout, keys: Mapping[str, Any], default_seed: int) -> int:
@@ -202,11 +165,6 @@ def legend_of(table: pd.DataFrame) -> str:
 def fmt_diff(a: float, b: float) -> str:
     """``a - b`` with its sign, or nothing when either is unknown."""
     return "" if math.isnan(a) or math.isnan(b) else f"{a - b:+.2f}"
-
-
-def combos(axes: Sequence[Any]) -> list[dict[str, Any]]:
-    """Every combination of the axes' values, in order, as {key: value}."""
-    return [dict(zip((a.key for a in axes), values)) for values in itertools.product(*(a.values for a in axes))]
 
 
 def with_metrics(frame: pd.DataFrame, layout: Layout) -> pd.DataFrame:
@@ -380,37 +338,6 @@ def figure_png(draw: Callable[[Any], Any]) -> bytes:
     return buffer.getvalue()
 
 
-def preset_runs(p: Preset, frame: pd.DataFrame, results: Path) -> pd.DataFrame:
-    """The runs of ``frame`` that belong to preset ``p``'s table (their fingerprint is one of
-    its cells'); the others are named on stderr with the settings that set them apart."""
-    if frame.empty:
-        return frame
-    member = frame["fingerprint"].isin(p.expected.keys())
-    others = frame[~member]
-    if len(others):
-        print(f"bnexp: {len(others)} of the {len(frame)} runs under {results} are not in this table: their settings "
-              f"match no run of {p.name} ({why_not(p, others)})", file=sys.stderr)
-    return frame[member]
-
-
-def why_not(p: Preset, others: pd.DataFrame, sample: int = 5) -> str:
-    """The keys that set runs apart from the preset, from the nearest of its runs to each of
-    the first ``sample`` of them."""
-    keys: Counter[str] = Counter()
-    example = ""
-    for _, run in others.head(sample).iterrows():
-        there = run["result_config"]
-        if not there:
-            keys["unreadable summary.json"] += 1
-            continue
-        nearest = min(p.expected.values(), key=lambda c: sum(there.get(k) != c.get(k) for k in there.keys() | c.keys()))
-        keys.update(k for k in there.keys() | nearest.keys() if there.get(k) != nearest.get(k))
-        example = example or f"e.g. {run['run_dir']}: {differences(there, nearest)}"
-    names = [k for k, _ in keys.most_common()]
-    listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    return "; ".join(part for part in (f"they differ in {listed}", example) if part)
-
-
 def table_text(p: Preset, results: Path, fmt: str = "markdown") -> str:
     """The rendered table of preset ``p`` from the summaries under ``results`` (for HTML,
     with the curves of ``bnexp plot`` embedded)."""
@@ -424,16 +351,7 @@ def table_text(p: Preset, results: Path, fmt: str = "markdown") -> str:
 
 # ---- any sweep's folder ----------------------------------------------------------------
 SWEEP_OPTIONS = {"rows": "", "cols": "", "metric": "top1", "format": "markdown", "out": ""}
-REPLICATES = ("trainer.seed",)  # overrides whose runs a cell pools
 UNSET = "(not set)"  # a row or column key of a run that its overrides do not give
-
-
-def varying(frame: pd.DataFrame) -> list[str]:
-    """The override keys whose values differ between the runs (seeds and settings that do
-    not change the result left out), in the order they first appear."""
-    keys = [c.removeprefix("overrides.") for c in frame.columns if c.startswith("overrides.")]
-    return [k for k in keys if k not in REPLICATES and not is_non_result(k)
-            and frame[f"overrides.{k}"].astype(str).nunique(dropna=False) > 1]
 
 
 def column_of(frame: pd.DataFrame, key: str, valid: Sequence[str]) -> str:

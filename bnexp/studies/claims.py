@@ -24,10 +24,11 @@ from typing import Callable, Sequence
 
 import pandas as pd
 
+from bnexp.app.train import multirun
 from bnexp.probes.callback import read_probes
 from bnexp.report.results import load_summaries
+from bnexp.report.selection import select
 from bnexp.report.stability import at_chance, largest_stable
-from bnexp.report.table import select
 from bnexp.support.errors import ConfigError, unknown_choice
 from bnexp.support.options import exit_on_error, split_options
 
@@ -394,8 +395,6 @@ def arm_overrides(arm: Arm, folder: Path, scale: str, jobs: int, extra: Sequence
 def run_claim(claim: Claim, out: Path, scale: str, jobs: int, extra: Sequence[str]) -> tuple[list[Finding], int]:
     """Train (or reuse) every arm of ``claim`` under ``out/<name>`` and judge the runs; the
     findings and the exit code of the arms' sweeps (EXIT_FAILED when cells failed)."""
-    from bnexp.app.train import multirun
-
     folder = out / claim.name
     codes = [multirun(arm_overrides(arm, folder, scale, jobs, extra)) for arm in claim.arms]
     return claim.judge(load_summaries(folder)), max(codes)

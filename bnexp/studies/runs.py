@@ -14,6 +14,7 @@ from bnexp.app.sweep import skip_reason
 from bnexp.engine.checkpoint import read_config
 from bnexp.engine.config import check_published_lr, lr_not_applicable
 from bnexp.engine.identity import differences, fingerprint
+from bnexp.engine.trainer import train
 from bnexp.support.errors import ConfigError, OtherRunThere
 from bnexp.support.options import exit_on_error, split_options
 from bnexp.support.runinfo import read_run_json
@@ -46,8 +47,6 @@ def run_or_reuse(cfg: DictConfig, run_dir: Path) -> tuple[dict[str, Any], bool]:
     holding another config (by :func:`bnexp.engine.identity.fingerprint`) is an error (the study's
     results would mix two settings). The run's lock is held throughout.
     """
-    from bnexp.engine.trainer import train
-
     check_published_lr(cfg)  # before a study starts training on a data set the paper never used
     saved = read_config(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else None
     if saved is not None and fingerprint(saved) != fingerprint(cfg):

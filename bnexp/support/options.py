@@ -9,6 +9,8 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 from bnexp.support.errors import BnexpError, ConfigError
 
+OUT_ELSEWHERE = "choose another place with out=PATH"  # when an output cannot be written
+
 
 def print_error(message: str) -> None:
     """Print one error paragraph to stderr."""

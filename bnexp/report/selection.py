@@ -1,0 +1,96 @@
+"""Which runs a table or a figure reads: the runs of a preset, those matching some keys, the
+tuned value a cell reports, and the overrides that vary between runs."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import pandas as pd
+
+from bnexp.engine.identity import differences, is_non_result
+from bnexp.report.layouts import Layout, same
+from bnexp.report.presets import Preset
+from bnexp.report.stability import largest_stable
+
+REPLICATES = ("trainer.seed",)  # overrides whose runs a cell pools
+
+
+def select(frame: pd.DataFrame, keys: Mapping[str, Any]) -> pd.DataFrame:
+    """The runs whose config matches every key (none when a key was never recorded)."""
+    mask = pd.Series(True, index=frame.index)
+    for key, value in keys.items():
+        if key not in frame:
+            return frame.iloc[0:0]
+        mask &= frame[key].map(lambda v: same(v, value)).astype(bool)
+    return frame[mask]
+
+
+def completed(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """The completed runs that recorded ``metric``."""
+    return runs[(runs["status"] == "completed") & runs[metric].notna()] if metric in runs else runs.iloc[0:0]
+
+
+def best_choice(runs: pd.DataFrame, key: str, metric: str, seed: str = "trainer.seed") -> Any:
+    """The tuned value with the highest mean, compared on the seeds every value completed."""
+    done = completed(runs, metric)
+    if done.empty:
+        return None
+    groups = dict(tuple(done.groupby(key)))
+    common = set.intersection(*(set(g[seed]) for g in groups.values()))
+    means = {v: g[g[seed].isin(common)][metric].mean() if common else g[metric].mean() for v, g in groups.items()}
+    return max(sorted(means), key=lambda v: means[v])
+
+
+def choose(layout: Layout, runs: pd.DataFrame, metric: str) -> Any:
+    """The tuned value a cell reports: the best mean, or the largest stable value (Table 6)."""
+    if not len(runs):
+        return None
+    return best_choice(runs, layout.tune, metric) if layout.select == "best" else largest_stable(runs, layout.tune)
+
+
+def combos(axes: Sequence[Any]) -> list[dict[str, Any]]:
+    """Every combination of the axes' values, in order, as {key: value}."""
+    return [dict(zip((a.key for a in axes), values)) for values in itertools.product(*(a.values for a in axes))]
+
+
+def preset_runs(p: Preset, frame: pd.DataFrame, results: Path) -> pd.DataFrame:
+    """The runs of ``frame`` that belong to preset ``p``'s table (their fingerprint is one of
+    its cells'); the others are named on stderr with the settings that set them apart."""
+    if frame.empty:
+        return frame
+    member = frame["fingerprint"].isin(p.expected.keys())
+    others = frame[~member]
+    if len(others):
+        print(f"bnexp: {len(others)} of the {len(frame)} runs under {results} are not in this table: their settings "
+              f"match no run of {p.name} ({why_not(p, others)})", file=sys.stderr)
+    return frame[member]
+
+
+def why_not(p: Preset, others: pd.DataFrame, sample: int = 5) -> str:
+    """The keys that set runs apart from the preset, from the nearest of its runs to each of
+    the first ``sample`` of them."""
+    keys: Counter[str] = Counter()
+    example = ""
+    for _, run in others.head(sample).iterrows():
+        there = run["result_config"]
+        if not there:
+            keys["unreadable summary.json"] += 1
+            continue
+        nearest = min(p.expected.values(), key=lambda c: sum(there.get(k) != c.get(k) for k in there.keys() | c.keys()))
+        keys.update(k for k in there.keys() | nearest.keys() if there.get(k) != nearest.get(k))
+        example = example or f"e.g. {run['run_dir']}: {differences(there, nearest)}"
+    names = [k for k, _ in keys.most_common()]
+    listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return "; ".join(part for part in (f"they differ in {listed}", example) if part)
+
+
+def varying(frame: pd.DataFrame) -> list[str]:
+    """The override keys whose values differ between the runs (seeds and settings that do
+    not change the result left out), in the order they first appear."""
+    keys = [c.removeprefix("overrides.") for c in frame.columns if c.startswith("overrides.")]
+    return [k for k in keys if k not in REPLICATES and not is_non_result(k)
+            and frame[f"overrides.{k}"].astype(str).nunique(dropna=False) > 1]
