@@ -16,7 +16,7 @@ from torch import nn
 from bnexp.data import build_data
 from bnexp.data.loaders import build_loaders
 from bnexp.engine import checkpoint
-from bnexp.engine.accel import Accelerated
+from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import TrainState
 from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule
@@ -70,7 +70,7 @@ def trainer_parts(cfg, model: nn.Module, tmp_path: Path):
     callbacks = [cb for cb in method_callbacks(cfg) if not isinstance(cb, WeightNormLog)]
     for cb in callbacks:
         cb.on_train_start(state)
-    return Accelerated(model, CPU), state, callbacks
+    return AmpCompileWrapper(model, CPU), state, callbacks
 
 
 def train(cfg, model: nn.Module, data: list, tmp_path: Path, criterion) -> tuple[nn.Module, dict]:
@@ -224,7 +224,7 @@ def test_packed_loader_yields_each_runs_own_images(loader: str, tmp_path: Path) 
     those of run k alone, augmentation included."""
     cfg = compose_cfg([*TINY, "data.augment=true", "trainer.max_steps=9", f"data.loader={loader}"])
     bundle = build_data(cfg.data)
-    from bnexp.engine.pack import Member
+    from bnexp.engine.pack import PackMember
 
     def alone(seed: int) -> list[torch.Tensor]:
         seed_everything(seed)
@@ -237,7 +237,7 @@ def test_packed_loader_yields_each_runs_own_images(loader: str, tmp_path: Path) 
     for seed in range(RUNS):
         seed_everything(seed)
         torch.rand(7)
-        m = Member(seed, cfg, tmp_path / str(seed), {}, rng=checkpoint.capture_rng())
+        m = PackMember(seed, cfg, tmp_path / str(seed), {}, rng=checkpoint.capture_rng())
         m.stream = build_loaders(bundle, cfg.data, 16, seed, False).epochs_from(0)
         members.append(m)
     seed_everything(123)  # the pack's own state is another one
@@ -322,11 +322,11 @@ def test_rerun_packs_only_missing_runs(tmp_path: Path, capsys) -> None:
 def test_nan_in_one_run_leaves_the_others_bit_identical(layout: str, tmp_path: Path, capsys, monkeypatch) -> None:
     """The other runs of the pack end bit-identical to the same pack without the NaN (in
     float64 they also equal their runs alone: test_nan_in_float64_leaves_the_others_as_alone)."""
-    from bnexp.engine.pack import Member
+    from bnexp.engine.pack import PackMember
 
     extra = ["trainer.channels_last=true"] if layout == "channels_last" else []
     assert run_pack(tmp_path / "clean", capsys, extra) == 0
-    original = Member.next_batch
+    original = PackMember.next_batch
     drawn = {"count": 0}
 
     def poisoned(self, swap_rng):
@@ -338,7 +338,7 @@ def test_nan_in_one_run_leaves_the_others_bit_identical(layout: str, tmp_path: P
                 x[0, 0, 0, 0] = float("nan")
         return x, y
 
-    monkeypatch.setattr(Member, "next_batch", poisoned)
+    monkeypatch.setattr(PackMember, "next_batch", poisoned)
     assert run_pack(tmp_path / "nan", capsys, extra) == 0
     bad = read_summary(tmp_path / "nan" / "run-seed1")
     assert bad["status"] == "diverged" and bad["steps"] == 2  # found at the next check (log_every=1)
@@ -541,7 +541,7 @@ def test_stale_checkpoint_of_one_run_does_not_outlive_the_pack(tmp_path: Path, c
     assert code == 0
     stale = checkpoint.periodic_path(alone, 40)  # as a longer run of seed 1, stopped, would leave
     stale.parent.mkdir(exist_ok=True)
-    checkpoint.save(torch.load(alone / "checkpoint.pt", weights_only=False), stale)
+    checkpoint.save_with_checksum(torch.load(alone / "checkpoint.pt", weights_only=False), stale)
     (alone / "checkpoint.pt").unlink()
     summary = read_summary(alone)
     summary["status"] = "failed"
@@ -558,7 +558,7 @@ def test_pack_logs_into_every_run_s_train_log(tmp_path: Path, capsys) -> None:
 
 
 def test_nan_in_float64_leaves_the_others_as_alone(tmp_path: Path) -> None:
-    """A NaN in run 1's third batch: with the pack's criterion (that of :meth:`Pack.criterion`,
+    """A NaN in run 1's third batch: with the pack's criterion (that of :meth:`PackTrainer.criterion`,
     written out here) and the real freezing callback, runs 0 and 2 still equal their runs alone
     after 20 steps, and run 1's parameters stay at zero. The pack's own loop is checked end to
     end by :func:`test_nan_in_one_run_leaves_the_others_bit_identical`."""

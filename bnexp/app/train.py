@@ -119,13 +119,13 @@ def train_job(cfg: DictConfig) -> float:
         with RunLock(run_dir, enabled=from_environment().is_main):
             return [run_job(cfg, hydra_cfg, run_dir, sweeping)]
 
-    return guarded([run_dir], sweeping, single)[0]
+    return run_and_record([run_dir], sweeping, single)[0]
 
 
 ENDED = ("completed", "diverged")  # the statuses of a run that a signal cannot leave unfinished
 
 
-def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[str, Any]]]) -> list[Any]:
+def run_and_record(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[str, Any]]]) -> list[Any]:
     """Run ``work`` (the (status, value) of each of ``run_dirs``), recording each outcome in
     the sweep's ledger; returns the values (:func:`result_value`), NaN for a run that failed."""
     from bnexp.app.sweep import record
@@ -240,7 +240,7 @@ def train_pack_job(jobs: list[Job], sweeping: bool) -> list[Any]:
             dirs = [job.run_dir for job in todo]
             frozen = frozen_runs(jobs, todo)
             members = [job for job in jobs if job in todo or job in frozen]
-            values.update(zip(dirs, guarded(dirs, sweeping, lambda: pack_outcomes(members, frozen))))
+            values.update(zip(dirs, run_and_record(dirs, sweeping, lambda: pack_outcomes(members, frozen))))
     return [values.get(job.run_dir, math.nan) for job in jobs]
 
 
@@ -376,7 +376,7 @@ def train_command(args: list[str]) -> None:
     """``bnexp train``: check the command line, then hand it to Hydra. ``--dry-run`` (with
     ``-m``) lists a sweep's jobs and run directories without running them."""
     from bnexp.app.cmdline import DRY_RUN, check_command_line
-    from bnexp.app.sweep import finish_report
+    from bnexp.app.sweep import print_sweep_report
 
     register_resolvers()
     register_plugins()
@@ -405,10 +405,10 @@ def train_command(args: list[str]) -> None:
         app()
     except SystemExit as exit_:
         if exit_.code:  # a sweep stopped by a signal: its report, then its exit code
-            finish_report(stopped=True)
+            print_sweep_report(stopped=True)
         raise
     except KeyboardInterrupt:  # Ctrl-C outside a run (composing, launching)
-        finish_report(stopped=True)
+        print_sweep_report(stopped=True)
         print_error("stopped by Ctrl-C")
         sys.exit(EXIT_INTERRUPTED)
 
