@@ -172,7 +172,7 @@ class PackTrainer(Trainer):
 
     def __init__(self, state: TrainState, net: AmpCompileWrapper, members: list[PackMember], loaders: list[Any],
                  num_classes: int, shared: Sequence[Callback]) -> None:
-        super().__init__(state, net, members, loaders, num_classes, shared)  # type: ignore[arg-type]
+        super().__init__(state, net, list(members), loaders, num_classes, shared)
         self.freezer = FreezeDiverged(len(members), state.device)
         self.callbacks.append(self.freezer)  # last: after every hook that reads or rewrites the gradients
         self.swap_rng = loaders[0].kind == "torch"  # that loader draws augmentation from the global generators
@@ -197,11 +197,11 @@ class PackTrainer(Trainer):
     def join_states(self, states: list[dict[str, Any]]) -> dict[str, Any]:
         return pack_state(states)
 
-    def rng_entry(self, member: Member) -> list[dict[str, Any]]:
-        return [member.rng]  # type: ignore[attr-defined]
+    def rng_entry(self, member: PackMember) -> list[dict[str, Any]]:
+        return [member.rng]
 
-    def restore_rng(self, member: Member, entry: list[dict[str, Any]]) -> None:
-        member.rng = entry[0]  # type: ignore[attr-defined]
+    def restore_rng(self, member: PackMember, entry: list[dict[str, Any]]) -> None:
+        member.rng = entry[0]
 
     def find_checkpoints(self, mode: str) -> list[tuple[Path, dict[str, Any]]] | None:
         """The periodic checkpoints of the newest step that every running member holds (a
