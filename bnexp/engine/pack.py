@@ -15,11 +15,11 @@ checkpoints and ``checkpoint.pt`` holding that run's state only), so reports, ``
 table`` and a plain ``bnexp train`` of one of the runs see no difference. A pack resumes
 from its runs' periodic checkpoints at the newest step all of them hold. A run whose
 training loss turns non-finite is marked ``diverged`` where a run alone would be (at the
-next finite-loss check) and frozen (:class:`FreezeDiverged`): its loss leaves the sum, and its parameters and
-momentum are zeroed and kept at zero while the others go on. A pack resumed after one of
-its runs diverged keeps that run, frozen, in its slot (it writes nothing more): the packed
-model keeps its shapes, so the others' float rounding, and so their results, are those of
-the pack never interrupted.
+next finite-loss check) and frozen (:class:`FreezeDiverged`): its loss leaves the sum, and
+its parameters and momentum are zeroed and kept at zero while the others go on. A pack
+resumed after one of its runs diverged keeps that run, frozen, in its slot (it writes
+nothing more): the packed model keeps its shapes, so the others' float rounding, and so
+their results, are those of the pack never interrupted.
 """
 
 from __future__ import annotations
@@ -133,10 +133,11 @@ def seeded_models(members: Sequence[PackMember], spec: Any, device: torch.device
 
 
 class FreezeDiverged(Callback):
-    """Last of the step's hooks: keeps the slots of diverged runs out of training.
+    """Last of the step's hooks: keeps the slots of diverged runs out of training (their
+    :attr:`Member.status` is the record; :meth:`freeze` is called as it is set).
     :meth:`freeze` zeroes a slot's parameters and momentum; after backward its gradients
-    are zeroed, so SGD keeps it at zero; :attr:`alive` takes its loss out of the sum
-    (:meth:`PackTrainer.criterion`)."""
+    are zeroed (:attr:`frozen`, on the host: no sync a step), so SGD keeps it at zero;
+    :attr:`alive` takes its loss out of the sum (:meth:`PackTrainer.criterion`)."""
 
     def __init__(self, runs: int, device: torch.device = torch.device("cpu")) -> None:
         self.runs = runs

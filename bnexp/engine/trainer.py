@@ -138,10 +138,6 @@ class TrainMeter:
         sums = sum_over_ranks(self.state().clone()).tolist()
         return [(loss_sum / n, 100 * correct / n) if n else (float("nan"), float("nan")) for loss_sum, correct, n in sums]
 
-    def read(self) -> tuple[float, float]:
-        """:meth:`read_runs` of a single run."""
-        return self.read_runs()[0]
-
 
 def total_steps(cfg: DictConfig, steps_per_epoch: int) -> int:
     """``trainer.max_steps`` when set, else ``trainer.epochs`` worth of steps."""
