@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bnexp.cli import main  # noqa: E402
 from bnexp.engine import checkpoint  # noqa: E402
-from bnexp.engine.pack import Member  # noqa: E402
+from bnexp.engine.pack import PackMember  # noqa: E402
 
 
 def signal_in_final_save(signum: int) -> None:
@@ -58,10 +58,10 @@ def sigkill_after_final_save() -> None:
 
 def nan_in_run_1() -> None:
     """The second training batch of the pack's run 1 holds a NaN."""
-    next_batch = Member.next_batch
+    next_batch = PackMember.next_batch
     drawn = {"count": 0}
 
-    def poisoned(self: Member, swap_rng: bool) -> Any:
+    def poisoned(self: PackMember, swap_rng: bool) -> Any:
         x, y = next_batch(self, swap_rng)
         if self.index == 1:
             drawn["count"] += 1
@@ -70,21 +70,21 @@ def nan_in_run_1() -> None:
                 x[0, 0, 0, 0] = float("nan")
         return x, y
 
-    Member.next_batch = poisoned
+    PackMember.next_batch = poisoned
 
 
 def nan_then_sigkill(step: int) -> None:
     """:func:`nan_in_run_1`, then SIGKILL once the periodic checkpoint of step ``step`` of the
     pack's seed-2 run is on disk (the pack writes its runs' in order)."""
     nan_in_run_1()
-    save = checkpoint.save
+    save = checkpoint.save_with_checksum
 
     def save_then_kill(payload: dict[str, Any], path: Path) -> None:
         save(payload, path)
         if path == checkpoint.periodic_path(path.parent.parent, step) and payload["config"]["trainer"]["seed"] == 2:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    checkpoint.save = save_then_kill
+    checkpoint.save_with_checksum = save_then_kill
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import random
 import signal
 import subprocess
@@ -14,12 +16,13 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from bnexp.data import build_data
-from bnexp.data.loaders import build_loaders
+from bnexp.data.loaders import build_loaders, build_seeded_loaders
 from bnexp.engine import checkpoint
-from bnexp.engine.accel import Accelerated
+from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import TrainState
-from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
+from bnexp.engine.method_hooks import AmatLearningRate, WeightNormLog, method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule
+from bnexp.engine.preemption import Preempted
 from bnexp.engine.trainer import evaluate, train_step
 from bnexp.models import DataSpec, build_model
 from bnexp.models.packing import pack_inputs, pack_models, pack_state, packed_losses, unpack_state
@@ -70,7 +73,7 @@ def trainer_parts(cfg, model: nn.Module, tmp_path: Path):
     callbacks = [cb for cb in method_callbacks(cfg) if not isinstance(cb, WeightNormLog)]
     for cb in callbacks:
         cb.on_train_start(state)
-    return Accelerated(model, CPU), state, callbacks
+    return AmpCompileWrapper(model, CPU), state, callbacks
 
 
 def train(cfg, model: nn.Module, data: list, tmp_path: Path, criterion) -> tuple[nn.Module, dict]:
@@ -224,7 +227,7 @@ def test_packed_loader_yields_each_runs_own_images(loader: str, tmp_path: Path) 
     those of run k alone, augmentation included."""
     cfg = compose_cfg([*TINY, "data.augment=true", "trainer.max_steps=9", f"data.loader={loader}"])
     bundle = build_data(cfg.data)
-    from bnexp.engine.pack import Member
+    from bnexp.engine.pack import PackMember
 
     def alone(seed: int) -> list[torch.Tensor]:
         seed_everything(seed)
@@ -237,7 +240,7 @@ def test_packed_loader_yields_each_runs_own_images(loader: str, tmp_path: Path) 
     for seed in range(RUNS):
         seed_everything(seed)
         torch.rand(7)
-        m = Member(seed, cfg, tmp_path / str(seed), {}, rng=checkpoint.capture_rng())
+        m = PackMember(seed, cfg, tmp_path / str(seed), {}, rng=checkpoint.capture_rng())
         m.stream = build_loaders(bundle, cfg.data, 16, seed, False).epochs_from(0)
         members.append(m)
     seed_everything(123)  # the pack's own state is another one
@@ -322,11 +325,11 @@ def test_rerun_packs_only_missing_runs(tmp_path: Path, capsys) -> None:
 def test_nan_in_one_run_leaves_the_others_bit_identical(layout: str, tmp_path: Path, capsys, monkeypatch) -> None:
     """The other runs of the pack end bit-identical to the same pack without the NaN (in
     float64 they also equal their runs alone: test_nan_in_float64_leaves_the_others_as_alone)."""
-    from bnexp.engine.pack import Member
+    from bnexp.engine.pack import PackMember
 
     extra = ["trainer.channels_last=true"] if layout == "channels_last" else []
     assert run_pack(tmp_path / "clean", capsys, extra) == 0
-    original = Member.next_batch
+    original = PackMember.next_batch
     drawn = {"count": 0}
 
     def poisoned(self, swap_rng):
@@ -338,7 +341,7 @@ def test_nan_in_one_run_leaves_the_others_bit_identical(layout: str, tmp_path: P
                 x[0, 0, 0, 0] = float("nan")
         return x, y
 
-    monkeypatch.setattr(Member, "next_batch", poisoned)
+    monkeypatch.setattr(PackMember, "next_batch", poisoned)
     assert run_pack(tmp_path / "nan", capsys, extra) == 0
     bad = read_summary(tmp_path / "nan" / "run-seed1")
     assert bad["status"] == "diverged" and bad["steps"] == 2  # found at the next check (log_every=1)
@@ -541,7 +544,7 @@ def test_stale_checkpoint_of_one_run_does_not_outlive_the_pack(tmp_path: Path, c
     assert code == 0
     stale = checkpoint.periodic_path(alone, 40)  # as a longer run of seed 1, stopped, would leave
     stale.parent.mkdir(exist_ok=True)
-    checkpoint.save(torch.load(alone / "checkpoint.pt", weights_only=False), stale)
+    checkpoint.save_with_checksum(torch.load(alone / "checkpoint.pt", weights_only=False), stale)
     (alone / "checkpoint.pt").unlink()
     summary = read_summary(alone)
     summary["status"] = "failed"
@@ -558,7 +561,7 @@ def test_pack_logs_into_every_run_s_train_log(tmp_path: Path, capsys) -> None:
 
 
 def test_nan_in_float64_leaves_the_others_as_alone(tmp_path: Path) -> None:
-    """A NaN in run 1's third batch: with the pack's criterion (that of :meth:`Pack.criterion`,
+    """A NaN in run 1's third batch: with the pack's criterion (that of :meth:`PackTrainer.criterion`,
     written out here) and the real freezing callback, runs 0 and 2 still equal their runs alone
     after 20 steps, and run 1's parameters stay at zero. The pack's own loop is checked end to
     end by :func:`test_nan_in_one_run_leaves_the_others_bit_identical`."""
@@ -616,3 +619,94 @@ def test_sigkill_after_a_run_diverged_resumes_the_pack_bit_exactly(tmp_path: Pat
     for reference, resumed in zip(runs["reference"][::2], runs["killed"][::2]):
         assert read_summary(resumed)["resumed_from"].endswith("step-000000004.pt")
         assert_same_run(reference, resumed)
+
+
+@pytest.mark.parametrize("loader", ["torch", "device"])
+def test_seeded_loaders_share_one_copy_of_the_data_and_draw_as_alone(loader: str) -> None:
+    """A pack's loaders (:func:`build_seeded_loaders`) share the test batches and, on the
+    device path, the training images copied once; each seed's batches, augmentation
+    included, are exactly those of its loaders built alone."""
+    cfg = compose_cfg([*TINY, "data.augment=true", f"data.loader={loader}"])
+    bundle = build_data(cfg.data)
+    seeds = [0, 1, 2]
+    packed = build_seeded_loaders(bundle, cfg.data, 16, seeds, False)
+    assert all(loaders.test is packed[0].test for loaders in packed)
+    if loader == "device":
+        assert all(loaders.train.split is packed[0].train.split for loaders in packed)
+
+    def first_batches(loaders, seed: int) -> list[torch.Tensor]:
+        seed_everything(seed)  # the DataLoader path augments from the global generators
+        return [torch.cat([x.flatten(), y.float()]) for x, y in itertools.islice(loaders.epochs_from(0), 9)]
+
+    for seed, loaders in zip(seeds, packed):
+        alone = build_loaders(bundle, cfg.data, 16, seed, False)
+        assert all(torch.equal(a, b) for a, b in zip(first_batches(loaders, seed), first_batches(alone, seed)))
+    shared_test, alone_test = list(packed[0].test), list(build_loaders(bundle, cfg.data, 16, 0, False).test)
+    assert len(shared_test) == len(alone_test) and all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(shared_test, alone_test))
+    assert not torch.equal(next(packed[0].epochs_from(0))[0], next(packed[1].epochs_from(0))[0])
+
+
+def poison_second_batch(monkeypatch, runs: set[int]) -> None:
+    """The second training batch of each run of ``runs`` of a pack holds a NaN."""
+    from bnexp.engine.pack import PackMember
+
+    original, drawn = PackMember.next_batch, {run: 0 for run in runs}
+
+    def poisoned(self, swap_rng):
+        x, y = original(self, swap_rng)
+        if self.index in runs:
+            drawn[self.index] += 1
+            if drawn[self.index] == 2:
+                x = x.clone()
+                x[0, 0, 0, 0] = float("nan")
+        return x, y
+
+    monkeypatch.setattr(PackMember, "next_batch", poisoned)
+
+
+def record_hook_ends(monkeypatch, method: str) -> list[tuple]:
+    """(run, status) for each call of ``method`` of a run's own hook (its weights log), and
+    ("shared", status) for the hook the runs of a CBN pack share (AMAT's learning rate)."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(WeightNormLog, method, lambda self, state, status: calls.append((self.run, status)))
+    monkeypatch.setattr(AmatLearningRate, method, lambda self, state, status: calls.append(("shared", status)))
+    return calls
+
+
+@pytest.mark.parametrize("diverging,shared", [({1}, "completed"), ({0, 1, 2}, "diverged")])
+def test_pack_hooks_end_with_the_status_of_what_they_serve(diverging: set[int], shared: str, tmp_path: Path,
+                                                           monkeypatch) -> None:
+    """A run's own hooks end once, with its status: a diverged run's as it diverges, as alone;
+    the hooks the pack shares end last, completed when some run completed, diverged when all
+    did."""
+    from bnexp.engine.pack import train_pack
+
+    ended = record_hook_ends(monkeypatch, "on_train_end")
+    poison_second_batch(monkeypatch, diverging)
+    summaries = train_pack([compose_cfg([*PACK_RUN, f"trainer.seed={s}"]) for s in range(3)],
+                           [tmp_path / str(s) for s in range(3)])
+    statuses = ["diverged" if run in diverging else "completed" for run in range(3)]
+    assert [s["status"] for s in summaries] == statuses
+    assert sorted(ended[:3]) == [(run, status) for run, status in enumerate(statuses)]
+    assert ended[:len(diverging)] == [(run, "diverged") for run in sorted(diverging)]  # as they diverged
+    assert ended[3:] == [("shared", shared)]
+
+
+def test_stopped_pack_stops_its_hooks_as_a_run_alone(tmp_path: Path, monkeypatch) -> None:
+    """SIGTERM at step 4 of a pack whose run 1 diverged at step 2: the hooks still training
+    (the other runs' and the shared ones) get ``on_train_stop(preempted)`` through
+    ``ended_on_stop``, as a run alone's do; the diverged run's ended as it diverged."""
+    from bnexp.engine.pack import train_pack
+
+    ended, stopped = record_hook_ends(monkeypatch, "on_train_end"), record_hook_ends(monkeypatch, "on_train_stop")
+    poison_second_batch(monkeypatch, {1})
+    monkeypatch.setattr(AmatLearningRate, "after_step",
+                        lambda self, state: os.kill(os.getpid(), signal.SIGTERM) if state.step == 4 else None,
+                        raising=False)
+    dirs = [tmp_path / str(s) for s in range(3)]
+    with pytest.raises(Preempted):
+        train_pack([compose_cfg([*PACK_RUN, f"trainer.seed={s}"]) for s in range(3)], dirs)
+    assert ended == [(1, "diverged")]
+    assert stopped == [("shared", "preempted"), (0, "preempted"), (2, "preempted")]  # in the order of the hooks
+    assert [read_summary(d)["status"] for d in dirs] == ["preempted", "diverged", "preempted"]

@@ -63,7 +63,7 @@ def rewrite(path: Path, change: dict, old_format: bool = False) -> None:
     payload = torch.load(path, weights_only=True) | change
     if old_format:
         payload["rng"][0]["numpy"] = np.random.get_state()
-    checkpoint.save(payload, path)
+    checkpoint.save_with_checksum(payload, path)
 
 
 def files_of(folder: Path) -> dict[str, bytes]:

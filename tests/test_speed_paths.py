@@ -18,7 +18,7 @@ from bnexp.data.arrays import ArrayData, cifar_transforms
 from bnexp.data.device import draws, pad_crop_flip
 from bnexp.data.loaders import build_loaders, loader_kind
 from bnexp.engine import checkpoint
-from bnexp.engine.accel import Accelerated, amp_mode
+from bnexp.engine.amp_compile import AmpCompileWrapper, amp_mode
 from bnexp.engine.callbacks import Callback, TrainState
 from bnexp.engine.trainer import train
 from bnexp.models import DataSpec, build_model
@@ -170,7 +170,7 @@ def tiny_resnet() -> nn.Module:
     return build_model(cfg.model, cfg.norm, cfg.act.name, DataSpec(10, 3, SIZE))
 
 
-def forward_backward(net: Accelerated, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def forward_backward(net: AmpCompileWrapper, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     out = net(x)
     out.square().sum().backward()
     return out.detach(), [p.grad for p in net.model.parameters()]
@@ -184,7 +184,7 @@ def assert_grads_close(actual: list[torch.Tensor], expected: list[torch.Tensor])
 
 def test_channels_last_matches_default() -> None:
     model = tiny_resnet()
-    plain, nhwc = Accelerated(model, CPU), Accelerated(copy.deepcopy(model), CPU, channels_last=True)
+    plain, nhwc = AmpCompileWrapper(model, CPU), AmpCompileWrapper(copy.deepcopy(model), CPU, channels_last=True)
     assert nhwc.model.stem.op.weight.is_contiguous(memory_format=torch.channels_last)
     x = torch.randn(6, 3, SIZE, SIZE)
     (ya, ga), (yb, gb) = forward_backward(plain, x), forward_backward(nhwc, x)
@@ -198,7 +198,7 @@ def test_compiled_model_matches_eager() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), CBN2d(4), nn.ReLU(), nn.Flatten(),
                           nn.Linear(4 * SIZE * SIZE, 3))
-    eager, compiled = Accelerated(model, CPU), Accelerated(copy.deepcopy(model), CPU, compile=True)
+    eager, compiled = AmpCompileWrapper(model, CPU), AmpCompileWrapper(copy.deepcopy(model), CPU, compile=True)
     assert compiled.model.state_dict().keys() == model.state_dict().keys()  # checkpoints see the plain module
     for net in (eager, compiled):
         set_learning_rate(net.model, 0.05)
@@ -226,7 +226,7 @@ def test_compiled_step_matches_eager_and_is_traced_once() -> None:
 
     runs = []
     for compile_ in (False, True):
-        net = Accelerated(small_cbn_net(), CPU, compile=compile_)
+        net = AmpCompileWrapper(small_cbn_net(), CPU, compile=compile_)
         opt = torch.optim.SGD(net.model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
         runs.append((net, opt, torch.optim.lr_scheduler.MultiStepLR(opt, [2], 0.1)))
     for step in range(5):
@@ -259,7 +259,7 @@ def test_second_optimizer_compiled_in_one_process_steps() -> None:
         return nn.Sequential(*[nn.Linear(4, 4) for _ in range(hidden)])
 
     for hidden in (1, 2):
-        nets = [Accelerated(model(hidden), CPU, compile=compile_) for compile_ in (False, True)]
+        nets = [AmpCompileWrapper(model(hidden), CPU, compile=compile_) for compile_ in (False, True)]
         opts = []
         for net in nets:
             params = list(net.model.parameters())  # two groups, as build_optimizer makes them
@@ -282,7 +282,7 @@ def test_compiled_evaluation_is_one_graph_for_every_batch_size() -> None:
     from bnexp.engine.trainer import evaluate
 
     batches = [(torch.randn(n, 3, SIZE, SIZE), torch.randint(0, 3, (n,))) for n in (4, 4, 3)]
-    eager, compiled = Accelerated(small_cbn_net(), CPU), Accelerated(small_cbn_net(), CPU, compile=True)
+    eager, compiled = AmpCompileWrapper(small_cbn_net(), CPU), AmpCompileWrapper(small_cbn_net(), CPU, compile=True)
     for net in (eager, compiled):
         set_learning_rate(net.model, 0.05)
     evaluate(compiled, batches[:1], CPU, 3)  # traces the eval graph
@@ -298,12 +298,12 @@ def test_compiled_models_run_their_own_hooks() -> None:
         return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * (SIZE - 2) ** 2, 2))
 
     x = torch.randn(4, 3, SIZE, SIZE)
-    Accelerated(model(), CPU, compile=True)(x)  # traced with no hooks at all
+    AmpCompileWrapper(model(), CPU, compile=True)(x)  # traced with no hooks at all
     stats = []
     for scale in (1.0, 2.0):  # then two models of the same code, each with its own BNP hooks
         net = model()
         bnp = BNP(net, rho=0.0)
-        Accelerated(net, CPU, compile=True)(x * scale)
+        AmpCompileWrapper(net, CPU, compile=True)(x * scale)
         stats.append(next(bnp.layers()))
     for scale, state in zip((1.0, 2.0), stats):
         assert state.batch_size == 4

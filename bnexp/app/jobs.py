@@ -121,13 +121,13 @@ def train_job(cfg: DictConfig) -> float:
         with RunLock(run_dir, enabled=from_environment().is_main):
             return [run_job(cfg, hydra_cfg, run_dir, sweeping)]
 
-    return guarded([run_dir], sweeping, single)[0]
+    return run_and_record([run_dir], sweeping, single)[0]
 
 
 ENDED = ("completed", "diverged")  # the statuses of a run that a signal cannot leave unfinished
 
 
-def guarded(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[str, Any]]]) -> list[Any]:
+def run_and_record(run_dirs: list[Path], sweeping: bool, work: Callable[[], list[tuple[str, Any]]]) -> list[Any]:
     """Run ``work`` (the (status, value) of each of ``run_dirs``), recording each outcome in
     the sweep's ledger; returns the values (:func:`result_value`), NaN for a run that failed."""
     where = ", ".join(str(d) for d in run_dirs)
@@ -236,7 +236,7 @@ def train_pack_job(jobs: list[Job], sweeping: bool) -> list[Any]:
             dirs = [job.run_dir for job in todo]
             frozen = frozen_runs(jobs, todo)
             members = [job for job in jobs if job in todo or job in frozen]
-            values.update(zip(dirs, guarded(dirs, sweeping, lambda: pack_outcomes(members, frozen))))
+            values.update(zip(dirs, run_and_record(dirs, sweeping, lambda: pack_outcomes(members, frozen))))
     return [values.get(job.run_dir, math.nan) for job in jobs]
 
 

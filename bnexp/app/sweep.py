@@ -309,7 +309,7 @@ def format_report(entries: list[dict[str, Any]], planned: Optional[int] = None, 
     return "\n".join(lines)
 
 
-def finish_report(stopped: bool = False) -> Optional[list[dict[str, Any]]]:
+def print_sweep_report(stopped: bool = False) -> Optional[list[dict[str, Any]]]:
     """Print the running sweep's report and close its ledger; the entries, or None outside a sweep."""
     ledger = Path(os.environ.pop(LEDGER_ENV, ""))
     if not ledger.name or not ledger.is_file():
@@ -334,6 +334,6 @@ class SweepReport(Callback):
         os.environ[LEDGER_ENV] = str(Path(config.hydra.sweep.dir) / f".sweep-{uuid.uuid4().hex}.jsonl")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        entries = finish_report()
+        entries = print_sweep_report()
         if entries and any(e["status"] not in DONE for e in entries):
             raise SystemExit(EXIT_FAILED)

@@ -14,7 +14,7 @@ from hydra.core.plugins import Plugins
 from bnexp.app.cmdline import DRY_RUN, check_command_line
 from bnexp.app.compose import config_dir, register_resolvers
 from bnexp.app.jobs import train_job
-from bnexp.app.sweep import finish_report
+from bnexp.app.sweep import print_sweep_report
 from bnexp.app.torchrun import rank_overrides
 from bnexp.support.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, ConfigError
 from bnexp.support.options import print_error
@@ -83,10 +83,10 @@ def train_command(args: list[str]) -> None:
         app()
     except SystemExit as exit_:
         if exit_.code:  # a sweep stopped by a signal: its report, then its exit code
-            finish_report(stopped=True)
+            print_sweep_report(stopped=True)
         raise
     except KeyboardInterrupt:  # Ctrl-C outside a run (composing, launching)
-        finish_report(stopped=True)
+        print_sweep_report(stopped=True)
         print_error("stopped by Ctrl-C")
         sys.exit(EXIT_INTERRUPTED)
 

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from bnexp.bench.common import COMMON, Record, compose_train, device_of, measure, record
 from bnexp.bench.step import MODELS, STEP_OVERRIDES, step_case
-from bnexp.engine.accel import Accelerated
+from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import TrainState
 from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule
@@ -47,7 +47,7 @@ def pack_case(cfg: DictConfig, spec: DataSpec, batch: int, runs: int, device: to
         torch.manual_seed(seed)
         models.append(build_model(cfg.model, cfg.norm, cfg.act.name, spec))
     model = pack_models(models).to(device)
-    net = Accelerated.from_config(model, device, cfg.trainer)
+    net = AmpCompileWrapper.from_config(model, device, cfg.trainer)
     optimizer = build_optimizer(model, cfg.optim)
     state = TrainState(cfg, run_dir, device, model, optimizer, build_schedule(optimizer, cfg.schedule, 1), 1, 10**9)
     callbacks = [cb for cb in method_callbacks(cfg) if not isinstance(cb, WeightNormLog)]

@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from bnexp.bench.common import COMMON, MODES, Record, compose_train, device_of, measure, record
-from bnexp.engine.accel import Accelerated
+from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import TrainState
 from bnexp.engine.optim import build_optimizer, build_schedule
 from bnexp.engine.trainer import build_callbacks, train_step
@@ -43,7 +43,7 @@ def step_case(cfg: DictConfig, spec: DataSpec, batch: int, device: torch.device,
               run_dir: Path) -> Callable[[], object]:
     """One training step of ``cfg``'s model on a fixed batch, as the trainer's loop takes it."""
     model = build_model(cfg.model, cfg.norm, cfg.act.name, spec).to(device)
-    net = Accelerated.from_config(model, device, cfg.trainer)
+    net = AmpCompileWrapper.from_config(model, device, cfg.trainer)
     optimizer = build_optimizer(model, cfg.optim)
     state = TrainState(cfg, run_dir, device, model, optimizer, build_schedule(optimizer, cfg.schedule, 1), 1, 10**9)
     callbacks = build_callbacks(cfg)

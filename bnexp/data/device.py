@@ -19,7 +19,7 @@ operation, so evaluation batches are bit-identical between the two loaders.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -141,15 +141,18 @@ class TrainBatches:
             yield self.split.batch(indices[part], self.padding, None if drawn is None else tuple(d[part] for d in drawn))
 
 
-def device_batches(data: ArrayData, cfg: Mapping[str, Any], sampler: EpochSampler, batch_size: int,
-                   device: torch.device, test_share: range) -> tuple[TrainBatches, EvalBatches]:
-    """Training and test batches of ``data`` made on ``device``; augmentation as ``data.augment``.
+def device_batches(data: ArrayData, cfg: Mapping[str, Any], samplers: Sequence[EpochSampler], batch_size: int,
+                   device: torch.device, test_share: range) -> tuple[list[TrainBatches], EvalBatches]:
+    """Training batches of ``data`` made on ``device``, one stream per sampler (the members of
+    a pack) over one copy of the training images, and the test batches; augmentation as
+    ``data.augment``.
 
     Only this process's ``test_share`` of the test images (a strided range) is copied and evaluated.
     """
     padding = int(cfg.get("padding", 4)) if cfg.get("augment", True) else None
-    train = TrainBatches(DeviceSplit(data.x_train, data.y_train, data, device), sampler, batch_size, padding)
+    images = DeviceSplit(data.x_train, data.y_train, data, device)  # copied once, however many samplers
+    trains = [TrainBatches(images, sampler, batch_size, padding) for sampler in samplers]
     share = slice(test_share.start, test_share.stop, test_share.step)
     test = EvalBatches(DeviceSplit(data.x_test[share], data.y_test[share], data, device),
                        int(cfg.get("eval_batch_size", 500)))
-    return train, test
+    return trains, test

@@ -4,7 +4,7 @@ order of :class:`bnexp.data.sampling.EpochSampler`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Subset
@@ -86,24 +86,34 @@ def build_loaders(bundle: DataBundle, cfg: Mapping[str, Any], batch_size: int, s
     randomness draw (a packed run swaps in its own global state around its batches only).
     ``pin_memory`` is the caller's default; a non-null ``data.pin_memory`` overrides it.
     """
-    sampler = EpochSampler(bundle.train, cfg.get("sampling", "with_replacement"), seed, batch_size, rank, world_size,
-                           drop_last)
-    if sampler.steps == 0:
+    return build_seeded_loaders(bundle, cfg, batch_size, [seed], pin_memory, device, rank, world_size, drop_last)[0]
+
+
+def build_seeded_loaders(bundle: DataBundle, cfg: Mapping[str, Any], batch_size: int, seeds: Sequence[int],
+                         pin_memory: bool, device: torch.device = torch.device("cpu"), rank: int = 0,
+                         world_size: int = 1, drop_last: bool = False) -> list[Loaders]:
+    """:func:`build_loaders` for each of ``seeds`` (the members of a pack) over one copy of the
+    data: each draws its own indices and augmentation, exactly as alone, while the test
+    batches (seeded by the first seed) and, under ``data.loader=device``, the images copied
+    to the device are shared."""
+    samplers = [EpochSampler(bundle.train, cfg.get("sampling", "with_replacement"), seed, batch_size, rank,
+                             world_size, drop_last) for seed in seeds]
+    if samplers[0].steps == 0:
         raise ConfigError(f"a batch of {batch_size} per process is larger than this process's share of the "
-                          f"{sampler.size} training images and data.drop_last leaves no batch: use a smaller "
+                          f"{samplers[0].size} training images and data.drop_last leaves no batch: use a smaller "
                           "trainer.batch_size or data.drop_last=false")
     test_share = range(rank, len(bundle.test), world_size)
     if loader_kind(bundle, cfg, device) == "device":
         assert bundle.arrays is not None  # checked by loader_kind
-        train, test = device_batches(bundle.arrays, cfg, sampler, batch_size, device, test_share)
-        return Loaders(train, test, sampler, batch_size, "device")
+        trains, test = device_batches(bundle.arrays, cfg, samplers, batch_size, device, test_share)
+        return [Loaders(train, test, sampler, batch_size, "device") for train, sampler in zip(trains, samplers)]
     workers = int(cfg.get("num_workers", 0))
     pin = pin_memory if cfg.get("pin_memory") is None else bool(cfg.get("pin_memory"))
     common: dict[str, Any] = dict(num_workers=workers, pin_memory=pin, persistent_workers=workers > 0)
-    train_loader = DataLoader(bundle.train, batch_size=batch_size, sampler=sampler,
-                              generator=torch.Generator().manual_seed(seed), **common)
     test = bundle.test if world_size == 1 else Subset(bundle.test, test_share)
     # its own generator too: an iterator draws its workers' base seed, never from the global RNG
     test_loader = DataLoader(test, batch_size=int(cfg.get("eval_batch_size", 500)), shuffle=False,
-                             generator=torch.Generator().manual_seed(seed), **common)
-    return Loaders(train_loader, test_loader, sampler, batch_size)
+                             generator=torch.Generator().manual_seed(seeds[0]), **common)
+    return [Loaders(DataLoader(bundle.train, batch_size=batch_size, sampler=sampler,
+                               generator=torch.Generator().manual_seed(seed), **common), test_loader, sampler, batch_size)
+            for seed, sampler in zip(seeds, samplers)]

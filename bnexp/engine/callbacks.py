@@ -71,7 +71,9 @@ class Callback:
         """After an evaluation; ``row`` is the metrics.csv row just written."""
 
     def on_train_end(self, state: TrainState, status: str) -> None:
-        """Once, with the final status (completed or diverged)."""
+        """Once, with the final status of what the hook serves (completed or diverged): its
+        run's, as the run ends; for a hook the runs of a pack share, the pack's, at its end
+        (completed when some run completed)."""
 
     def on_train_stop(self, state: TrainState, status: str) -> None:
         """Instead of :meth:`on_train_end` when training stops on an exception

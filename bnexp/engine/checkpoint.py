@@ -58,7 +58,7 @@ def checksum_path(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def save(payload: dict[str, Any], path: Path) -> None:
+def save_with_checksum(payload: dict[str, Any], path: Path) -> None:
     """``torch.save`` through :func:`atomic_write`, then the digest file beside it. A failure
     between the two leaves a checkpoint whose digest does not match: it counts as damaged.
     A folder made for it and left empty by a failure is removed."""

@@ -19,7 +19,7 @@ from typing_extensions import TypedDict
 
 from bnexp.data.loaders import LOADERS
 from bnexp.data.sampling import SAMPLINGS
-from bnexp.engine.accel import AMP_DTYPES
+from bnexp.engine.amp_compile import AMP_DTYPES
 from bnexp.engine.optim import OPTIMIZERS, SCHEDULES, UNITS, WARMUPS
 from bnexp.models.bnp_nets import PADDINGS
 from bnexp.nn.create_norm import JOINS, PLACEMENTS
@@ -190,7 +190,7 @@ class TrainerKeys(TypedDict, total=False):
     keep_checkpoints: Count
     resume: str
     init_from: Optional[str]
-    amp: Optional[choice((*AMP_DTYPES, False))]  # YAML reads a bare off as false (bnexp.engine.accel.amp_mode)
+    amp: Optional[choice((*AMP_DTYPES, False))]  # YAML reads a bare off as false (bnexp.engine.amp_compile.amp_mode)
     channels_last: bool
     compile: bool
 

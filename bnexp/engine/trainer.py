@@ -1,10 +1,17 @@
-"""The training loop: one run from a composed config to metrics.csv and summary.json.
+"""The training engine: a run alone, or a pack of K runs trained as one model, from composed
+configs to each run's metrics.csv, checkpoints and summary.json.
 
-Read it top to bottom: build data, model, optimizer and schedule; resume from the newest
-checkpoint if there is one; loop over steps (forward, backward, hooks, optimizer step);
-evaluate every ``trainer.eval_every`` and checkpoint every ``trainer.checkpoint_every``;
-stop on the step budget, a non-finite loss or a preemption signal; write the summary
-whatever happens.
+A :class:`Trainer` holds K members (one per run directory; K = 1 for a run alone, the path
+:func:`train` takes) around one model, optimizer and schedule. Read :meth:`Trainer.run` and
+:meth:`Trainer.train_steps` top to bottom: resume from the newest checkpoint if there is one;
+loop over steps (next batch, forward, backward, hooks, optimizer step: :func:`train_step`);
+check the training loss every ``trainer.log_every`` steps (a member whose loss is not finite
+diverged: a run alone stops there), write each member's evaluation row every
+``trainer.eval_every`` and its checkpoint every ``trainer.checkpoint_every``; on a preemption
+signal checkpoint and stop; at the end each member's final checkpoint and summary.
+:class:`bnexp.engine.pack.PackTrainer` overrides the few methods a pack does otherwise (where
+batches come from, the loss, how the model's state splits into each member's checkpoint and
+joins back, which checkpoints it resumes from, freezing a diverged member).
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ import signal
 import sys
 import time
 import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +35,9 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from bnexp.data import DataBundle, build_data, data_identity
-from bnexp.data.loaders import Loaders, build_loaders, drop_last
+from bnexp.data.loaders import Loaders, build_seeded_loaders, drop_last
 from bnexp.engine import checkpoint
-from bnexp.engine.accel import Accelerated
+from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import Callback, TrainState, ended_on_stop
 from bnexp.engine.config import validate
 from bnexp.engine.identity import fingerprint, run_differences
@@ -115,11 +124,12 @@ class TrainMeter:
         self.sums[:, 2].fill_(self.count)
         return self.sums
 
-    def load(self, sums: torch.Tensor, rank: int = 0) -> None:
-        """Sums as :meth:`state` gave them (3 values in a single run's checkpoint from before
-        packing existed), or one block of them per process (``(processes, runs, 3)``,
-        :meth:`Run.payload`), of which process ``rank`` takes its own."""
-        self.sums.copy_(sums[rank] if sums.dim() == 3 else sums)
+    def load(self, sums: Sequence[torch.Tensor], rank: int = 0) -> None:
+        """Each run's sums as its checkpoint holds them: one block per process
+        (``(processes, 1, 3)``, :meth:`Trainer.payloads`) of which process ``rank`` takes its
+        own; or, in checkpoints written before, one row (a pack's) or 3 values (a run's from
+        before packing existed)."""
+        self.sums.copy_(torch.cat([s[rank] if s.dim() == 3 else s.view(1, 3) for s in sums]))
         self.count = int(self.sums[0, 2])
 
     def read_runs(self) -> list[tuple[float, float]]:
@@ -127,10 +137,6 @@ class TrainMeter:
         NaN if non-finite."""
         sums = sum_over_ranks(self.state().clone()).tolist()
         return [(loss_sum / n, 100 * correct / n) if n else (float("nan"), float("nan")) for loss_sum, correct, n in sums]
-
-    def read(self) -> tuple[float, float]:
-        """:meth:`read_runs` of a single run."""
-        return self.read_runs()[0]
 
 
 def total_steps(cfg: DictConfig, steps_per_epoch: int) -> int:
@@ -163,117 +169,318 @@ def eval_row(state: TrainState, lr: float, train: tuple[float, float], test: dic
             "train_acc": train[1], **test, "seconds": round(seconds, 3)}
 
 
-class Run:
-    """The mutable pieces of one run that a checkpoint must capture besides the model."""
+@dataclass
+class Member:
+    """One run of a :class:`Trainer` (the run itself when it trains alone): its settings,
+    directory, summary, evaluation rows, its own hooks and its status, the one record of how
+    it ended (``running``, then ``completed`` or ``diverged``)."""
 
-    def __init__(self, state: TrainState, callbacks: list[Callback], summary: dict[str, Any], net: Accelerated) -> None:
+    index: int  # its slot in the (packed) model
+    cfg: DictConfig
+    run_dir: Path
+    summary: dict[str, Any]
+    callbacks: list[Callback] = field(default_factory=list)  # hooks whose state goes into its checkpoint only
+    writes: bool = True  # writes its files (rank 0 of a torchrun run only)
+    status: str = "running"
+    metrics: MetricsWriter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = MetricsWriter(self.run_dir / "metrics.csv", enabled=self.writes)
+
+    def start(self) -> None:
+        """Ready the run directory (a killed write's partial files removed, config.yaml) and
+        start the summary: ``failed`` until training says otherwise."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.writes:
+            checkpoint.remove_partial_files(self.run_dir)
+            OmegaConf.save(self.cfg, self.run_dir / "config.yaml", resolve=True)
+        self.summary.update({"status": "failed", **version_stamp(), "fingerprint": fingerprint(self.cfg),
+                             "config": OmegaConf.to_container(self.cfg, resolve=True)})
+
+    def end(self, status: str, state: TrainState) -> None:
+        """Record how this run ended in its summary (with where training was)."""
+        self.status = status
+        self.summary.update(status=status, steps=state.step, epochs=round(state.epoch, 4))
+
+
+class Trainer:
+    """K members (K = 1: a run alone) trained as one model: the step loop, evaluation rows,
+    checkpoints, resuming and finishing. The methods under "what a pack does otherwise" are
+    those :class:`bnexp.engine.pack.PackTrainer` overrides.
+
+    Hooks: ``shared`` serve every member (a pack's method hooks; none alone), each member has
+    its own (alone: all of them). :attr:`callbacks` lists those the step calls, in order; a
+    member's leave it when the member ends, so each hook ends once (:meth:`end_member`)."""
+
+    AFTER_DIVERGENCE = "stopping"  # what a run does once its loss turned non-finite
+
+    def __init__(self, state: TrainState, net: AmpCompileWrapper, members: list[Member], loaders: list[Loaders],
+                 num_classes: int, shared: Sequence[Callback] = ()) -> None:
         self.state = state
         self.net = net  # the model under the run's amp / channels_last / compile settings
-        self.callbacks = callbacks
-        self.summary = summary
-        self.meter = TrainMeter(state.device)
-        self.metrics = MetricsWriter(state.run_dir / "metrics.csv", enabled=state.dist.is_main)
+        self.members = members
+        self.loaders = loaders  # one per member, sharing one copy of the data and the test batches
+        self.num_classes = num_classes
+        self.shared = list(shared)
+        self.callbacks = [*self.shared, *(cb for m in self.running() for cb in m.callbacks)]
+        self.meter = TrainMeter(state.device, len(members))
         self.elapsed_before = 0.0  # seconds trained before the latest resume
         self.started = time.perf_counter()
+
+    def running(self) -> list[Member]:
+        return [m for m in self.members if m.status == "running"]
 
     def seconds(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.started
 
-    def payload(self) -> dict[str, Any]:
-        """Everything needed to continue this run bit-for-bit."""
-        s = self.state
-        return {
-            "model": s.model.state_dict(),
-            "optimizer": s.optimizer.state_dict(),
-            "scheduler": s.scheduler.state_dict(),
-            "step": s.step,
-            "scaler": self.net.scaler.state_dict(),
-            "rng": gather_objects(checkpoint.capture_rng()),  # one entry per process
-            "meter": torch.stack(gather_objects(self.meter.state().cpu())),  # each process's own sums
-            "metrics": self.metrics.rows,
-            "callbacks": {callback_key(i, cb): cb.state_dict() for i, cb in enumerate(self.callbacks)},
-            "seconds": self.seconds(),
-            "config": OmegaConf.to_container(s.cfg, resolve=True),
-            "data_files": self.summary.get("data_files", {}),
-        }
+    # -- what a pack does otherwise --
 
-    def restore(self, payload: dict[str, Any]) -> None:
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Training batches on the device, from the current step on."""
+        for x, y in self.loaders[0].epochs_from(self.state.step):
+            yield x.to(self.state.device, non_blocking=True), y.to(self.state.device, non_blocking=True)
+
+    def criterion(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, y)
+
+    def split_state(self, state: dict[str, Any]) -> list[dict[str, Any]]:
+        """Each member's part of a state of the model, the optimizer or a shared hook."""
+        return [state]
+
+    def join_states(self, states: list[dict[str, Any]]) -> dict[str, Any]:
+        """The inverse of :meth:`split_state`."""
+        return states[0]
+
+    def rng_entry(self, member: Member) -> list[dict[str, Any]]:
+        """The random state a member's checkpoint holds: every process's (gathered in rank order)."""
+        return gather_objects(checkpoint.capture_rng())
+
+    def restore_rng(self, member: Member, entry: list[dict[str, Any]]) -> None:
+        checkpoint.restore_rng(entry[self.state.dist.rank])
+
+    def find_checkpoints(self, mode: str) -> list[tuple[Path, dict[str, Any]]] | None:
+        """What to resume from, one (path, payload) per member: the file ``mode`` names, or
+        (``auto``) the newest valid checkpoint in the run directory; None if there is none."""
+        (member,) = self.members
+        if mode not in RESUME_MODES:  # a file (validate checked it exists)
+            try:
+                return [(Path(mode), checkpoint.load(Path(mode), require_checksum=False))]
+            except ValueError as err:
+                raise ConfigError(f"trainer.resume={mode}: {err}") from err
+        found = checkpoint.newest_valid(member.run_dir)
+        if found is None and checkpoint.resume_candidates(member.run_dir):
+            log.warning("no valid checkpoint in %s: starting over", member.run_dir)
+        return None if found is None else [found]
+
+    def diverge(self, member: Member, lr: float) -> None:
+        """``member``'s training loss is not finite: an evaluation row if it has none yet (its
+        state as it diverged), its summary final now (rewritten with the wall time at the
+        end), its hooks ended."""
+        if not member.metrics.rows:
+            self.evaluate(lr, only=member)
+        member.end("diverged", self.state)
+        if member.writes:
+            write_json(member.run_dir / "summary.json", member.summary)
+        log.warning("%s: non-finite training loss at step %d: %s (status diverged)", member.run_dir, self.state.step,
+                    self.AFTER_DIVERGENCE)
+        self.end_member(member)
+
+    # -- the same for one run and for a pack --
+
+    def run(self) -> None:
+        """Start the hooks, resume, train, finish; a stop (a signal, Ctrl-C, an error) ends
+        the hooks still training as stopped (:func:`ended_on_stop`), for a pack as alone."""
+        state = self.state
+        for cb in self.callbacks:
+            cb.on_train_start(state)
+        with PreemptionGuard() as guard:  # a signal while the final checkpoint is written waits for it
+            with ended_on_stop(self.callbacks, state):  # trackers close as preempted or failed on a stop
+                self.resume(str(state.cfg.trainer.resume))
+                lr = self.train_steps(guard)
+                self.finish(lr)
+            stop_if_signalled(guard)
+
+    def train_steps(self, guard: PreemptionGuard) -> float:
+        """Train from the current step to the last, or until no member trains: log, evaluate
+        and checkpoint on their schedules. Returns the last step's lr; a signal (``guard``)
+        checkpoints and raises :class:`Preempted`."""
+        state, cfg = self.state, self.state.cfg.trainer
+        eval_every = max(1, to_steps(cfg.eval_every, cfg.eval_unit, state.steps_per_epoch))
+        log_every = int(cfg.log_every)
+        clock = CheckpointClock(cfg.checkpoint_every, cfg.checkpoint_unit, state.steps_per_epoch, log_every)
+        state.model.train()
+        batches = self.batches()
+        runs = len(self.members)
+        bar = tqdm(total=state.total_steps, initial=state.step, desc="train" if runs == 1 else f"train x{runs}",
+                   disable=not sys.stderr.isatty(), dynamic_ncols=True)
+        lr = state.lr
+        while state.step < state.total_steps:
+            x, y = next(batches)
+            lr = state.lr
+            logits, loss = train_step(self.net, state.optimizer, self.callbacks, state, x, y, self.criterion)
+            last = end_step(state, self.meter, self.callbacks, loss, logits, y, bar)
+            if state.step % log_every == 0 or state.step % eval_every == 0 or last:
+                train = self.check_losses(lr)
+                if not self.running():
+                    break
+                losses, accuracies = (" ".join(f"{v:.4f}" for v, _ in train), " ".join(f"{a:.2f}%" for _, a in train))
+                bar.set_postfix(loss=losses, lr=f"{lr:.4g}")
+                if bar.disable and state.step % log_every == 0:
+                    log.info("step %d/%d epoch %.2f loss %s acc %s lr %.4g", state.step, state.total_steps,
+                             state.epoch, losses, accuracies, lr)
+            if state.step % eval_every == 0 or last:
+                self.evaluate(lr)
+            checkpoint_or_stop(guard, clock, state, last, self.save_periodic, [m.summary for m in self.running()])
+        bar.close()
+        return lr
+
+    def check_losses(self, lr: float) -> list[tuple[float, float]]:
+        """Each member's (mean training loss, accuracy) since the last evaluation; a running
+        member whose loss is not finite diverged (:meth:`diverge`)."""
+        train = self.meter.read_runs()
+        for m, (loss, _) in zip(self.members, train):
+            if m.status == "running" and not math.isfinite(loss):
+                self.diverge(m, lr)
+        return train
+
+    def evaluate(self, lr: float, only: Member | None = None) -> None:
+        """Each running member's evaluation row (only ``only``'s, without resetting the others'
+        training sums, for a member that diverged before its first evaluation)."""
+        train = self.meter.read_runs()
+        if only is None:
+            self.meter.reset()
         s = self.state
-        s.model.load_state_dict(payload["model"])
-        s.optimizer.load_state_dict(payload["optimizer"])
-        s.scheduler.load_state_dict(payload["scheduler"])
-        s.step = payload["step"]
-        if payload.get("scaler"):  # empty unless trainer.amp=fp16
-            self.net.scaler.load_state_dict(payload["scaler"])
-        checkpoint.restore_rng(payload["rng"][s.dist.rank])
-        self.meter.load(payload["meter"], s.dist.rank)
-        self.metrics.restore(payload["metrics"])
-        for row in payload["metrics"]:
-            record_eval(self.summary, row)
-        for i, cb in enumerate(self.callbacks):
-            cb.load_state_dict(payload["callbacks"].get(callback_key(i, cb), {}))
-        self.elapsed_before = payload["seconds"]
+        tests = evaluate(self.net, self.loaders[0].test, s.device, self.num_classes, len(self.members))
+        for m, run_train, test in zip(self.members, train, tests):
+            if m is not only and (only is not None or m.status != "running"):
+                continue
+            row = eval_row(s, lr, run_train, test, self.seconds())
+            m.metrics.write(row)
+            record_eval(m.summary, row)
+            for cb in m.callbacks:
+                cb.on_eval(s, row)
+
+    def payloads(self) -> list[dict[str, Any]]:
+        """The checkpoint of each running member: everything needed to continue it bit for bit,
+        as the same run trained alone would hold it. Every process takes part (it gathers their
+        RNG states and training sums)."""
+        s = self.state
+        models, optimizers = self.split_state(s.model.state_dict()), self.split_state(s.optimizer.state_dict())
+        shared = [self.split_state(cb.state_dict()) for cb in self.shared]
+        meters = torch.stack(gather_objects(self.meter.state().cpu()))  # (processes, members, 3)
+        out = []
+        for m in self.running():
+            i = m.index
+            hooks = [*self.shared, *m.callbacks]
+            hook_states = [*(part[i] for part in shared), *(cb.state_dict() for cb in m.callbacks)]
+            out.append({
+                "model": models[i], "optimizer": optimizers[i], "scheduler": s.scheduler.state_dict(), "step": s.step,
+                "scaler": self.net.scaler.state_dict(), "rng": self.rng_entry(m), "meter": meters[:, i:i + 1].clone(),
+                "metrics": m.metrics.rows,
+                "callbacks": {callback_key(j, cb): st for j, (cb, st) in enumerate(zip(hooks, hook_states))},
+                "seconds": self.seconds(), "config": OmegaConf.to_container(m.cfg, resolve=True),
+                "data_files": m.summary.get("data_files", {}),
+            })
+        return out
+
+    def restore(self, payloads: list[dict[str, Any]]) -> None:
+        """Continue from each member's checkpoint (:meth:`payloads`); a member not running
+        (a pack's frozen one) only has its slot filled."""
+        s, first = self.state, payloads[0]
+        s.model.load_state_dict(self.join_states([p["model"] for p in payloads]))
+        s.optimizer.load_state_dict(self.join_states([p["optimizer"] for p in payloads]))
+        s.scheduler.load_state_dict(first["scheduler"])
+        s.step = first["step"]
+        if first.get("scaler"):  # empty unless trainer.amp=fp16
+            self.net.scaler.load_state_dict(first["scaler"])
+        for j, cb in enumerate(self.shared):
+            cb.load_state_dict(self.join_states([p["callbacks"].get(callback_key(j, cb), {}) for p in payloads]))
+        self.meter.load([p["meter"] for p in payloads], s.dist.rank)
+        for m, p in zip(self.members, payloads):
+            self.restore_rng(m, p["rng"])
+            if m.status != "running":
+                continue
+            m.metrics.restore(p["metrics"])
+            for row in p["metrics"]:
+                record_eval(m.summary, row)
+            for j, cb in enumerate(m.callbacks, start=len(self.shared)):
+                cb.load_state_dict(p["callbacks"].get(callback_key(j, cb), {}))
+        self.elapsed_before = first["seconds"]
         self.started = time.perf_counter()
 
     def resume(self, mode: str) -> None:
-        """``auto``: newest valid periodic checkpoint, if any, written with this run's settings;
-        ``never``; or a file path (other settings allowed, with a warning)."""
-        run_dir, cfg = self.state.run_dir, self.state.cfg
+        """``auto``: the newest valid checkpoint (:meth:`find_checkpoints`), if any, written
+        with these settings; ``never``; or a file path (other settings allowed, with a warning)."""
         if mode == "never":
             return
-        if mode not in RESUME_MODES:  # a file (validate checked it exists)
-            path = Path(mode)
-            try:
-                found: tuple[Path, dict[str, Any]] | None = (path, checkpoint.load(path, require_checksum=False))
-            except ValueError as err:
-                raise ConfigError(f"trainer.resume={mode}: {err}") from err
-        else:
-            found = checkpoint.newest_valid(run_dir)
-            if found is None and checkpoint.resume_candidates(run_dir):
-                log.warning("no valid checkpoint in %s: starting over", run_dir)
-        if found is not None:
-            change = run_differences(found[1].get("config", {}), cfg, found[1].get("data_files"))
+        found = self.find_checkpoints(mode)
+        if found is None:
+            return
+        for m, (path, payload) in zip(self.members, found):
+            if m.status != "running":
+                continue
+            change = run_differences(payload.get("config", {}), m.cfg, payload.get("data_files"))
             if change:
                 if mode == "auto":
-                    raise OtherRunThere(f"{found[0]} was written by a run with other settings ({change}): run with "
-                                      "trainer.resume=never to start over in this directory, or use another one")
-                log.warning("resuming from %s, written with other settings: %s", found[0], change)
-            self.restore(found[1])
-            self.summary["resumed_from"] = str(found[0])
-            log.info("resumed from %s at step %d", found[0], self.state.step)
+                    raise OtherRunThere(f"{path} was written by a run with other settings ({change}): run with "
+                                        "trainer.resume=never to start over in this directory, or use another one")
+                log.warning("resuming from %s, written with other settings: %s", path, change)
+            m.summary["resumed_from"] = str(path)
+        self.restore([payload for _, payload in found])
+        log.info("resumed from %s at step %d", ", ".join(m.summary["resumed_from"] for m in self.running()),
+                 self.state.step)
 
     def save_periodic(self) -> None:
-        """Write a periodic checkpoint; a failure (a full disk) is logged, not fatal."""
-        run_dir = self.state.run_dir
-        payload = self.payload()  # every process takes part (it gathers their RNG states)
-        if not self.state.dist.is_main:
-            return
-        if self.save(payload, checkpoint.periodic_path(run_dir, self.state.step), "training goes on (earlier "
-                     "checkpoints untouched)"):
-            checkpoint.prune(run_dir, int(self.state.cfg.trainer.keep_checkpoints))
+        """Each running member's periodic checkpoint (a diverged one keeps its last ones)."""
+        for m, payload in zip(self.running(), self.payloads()):
+            if m.writes and self.save_checkpoint(m, payload, checkpoint.periodic_path(m.run_dir, self.state.step),
+                                                 "training goes on (earlier checkpoints untouched)"):
+                checkpoint.prune(m.run_dir, int(m.cfg.trainer.keep_checkpoints))
 
-    def save(self, payload: dict[str, Any], path: Path, then: str) -> bool:
-        """Write a checkpoint; a failure (a full disk, a quota, torch's zip writer) is logged
-        with ``then`` (what happens next) and recorded under ``checkpoint_errors``."""
+    def save_checkpoint(self, member: Member, payload: dict[str, Any], path: Path, then: str) -> bool:
+        """Write one of ``member``'s checkpoints; a failure (a full disk, a quota, torch's zip
+        writer) is logged with ``then`` (what happens next) and noted in its summary under
+        ``checkpoint_errors``."""
         try:
-            checkpoint.save(payload, path)
+            checkpoint.save_with_checksum(payload, path)
         except (OSError, RuntimeError) as err:
-            log.error("checkpoint %s at step %d could not be written (%s: %s); %s", path.name, self.state.step,
+            log.error("checkpoint %s at step %d could not be written (%s: %s); %s", path, self.state.step,
                       type(err).__name__, err, then)
-            self.summary.setdefault("checkpoint_errors", []).append(f"step {self.state.step}, {path.name}: "
-                                                                    f"{type(err).__name__}: {err}")
+            member.summary.setdefault("checkpoint_errors", []).append(f"step {self.state.step}, {path.name}: "
+                                                                      f"{type(err).__name__}: {err}")
             return False
         return True
 
-    def evaluate(self, loader: DataLoader, num_classes: int, lr: float) -> None:
-        train = self.meter.read()
-        self.meter.reset()
-        s = self.state
-        row = eval_row(s, lr, train, evaluate(self.net, loader, s.device, num_classes)[0], self.seconds())
-        self.metrics.write(row)
-        record_eval(self.summary, row)
-        for cb in self.callbacks:
-            cb.on_eval(s, row)
+    def finish(self, lr: float) -> None:
+        """After the last step: an evaluation if a running member has no row yet, then each
+        running member completed (its summary; its final checkpoint, the periodic ones then
+        removed; its hooks ended); last, the shared hooks end."""
+        completed = self.running()
+        if any(not m.metrics.rows for m in completed):
+            self.evaluate(lr)
+        then = "the run's metrics and summary stand (status completed); any periodic checkpoints are kept"
+        for m, payload in zip(completed, self.payloads() if completed else []):
+            m.end("completed", self.state)
+            if m.writes and self.save_checkpoint(m, payload, m.run_dir / checkpoint.FINAL, then):
+                checkpoint.prune(m.run_dir, 0)
+        for m in completed:
+            self.end_member(m)
+        self.end_shared()
+
+    def end_member(self, member: Member) -> None:
+        """``on_train_end`` of ``member``'s own hooks, with its status. They leave the step's
+        hooks first: a hook that fails to end is not then told the run stopped."""
+        self.callbacks[:] = [cb for cb in self.callbacks if all(cb is not own for own in member.callbacks)]
+        for cb in member.callbacks:
+            cb.on_train_end(self.state, member.status)
+
+    def end_shared(self) -> None:
+        """``on_train_end`` of the hooks left (those every member shares): ``completed`` when
+        some member completed, ``diverged`` when all diverged."""
+        status = "completed" if any(m.status == "completed" for m in self.members) else "diverged"
+        hooks, self.callbacks[:] = list(self.callbacks), []
+        for cb in hooks:
+            cb.on_train_end(self.state, status)
 
 
 def build_callbacks(cfg: DictConfig) -> list[Callback]:
@@ -289,7 +496,7 @@ def build_callbacks(cfg: DictConfig) -> list[Callback]:
     return [cb for cb in ordered if cb is not None]
 
 
-def train_step(net: Accelerated, optimizer: torch.optim.Optimizer, callbacks: list[Callback], state: TrainState,
+def train_step(net: AmpCompileWrapper, optimizer: torch.optim.Optimizer, callbacks: list[Callback], state: TrainState,
                x: torch.Tensor, y: torch.Tensor,
                criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -411,8 +618,29 @@ def check_last_batch(cfg: DictConfig, loaders: Loaders, batch_size: int, d: Dist
                           f"{batch_size}): set data.drop_last=true (or null) or another trainer.batch_size")
 
 
-def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks: list[Callback]) -> None:
-    """Train one run, writing metrics.csv and checkpoints; fill ``summary`` as it goes."""
+def training_loaders(cfg: DictConfig, bundle: DataBundle, batch_size: int, seeds: list[int], device: torch.device,
+                     d: Dist) -> list[Loaders]:
+    """Each member's loaders (one per seed, over one copy of the data), checked: a batch no
+    larger than the training set, no one-image last batch under batch statistics."""
+    check_batch_size(cfg, bundle, batch_size, d)
+    loaders = build_seeded_loaders(bundle, cfg.data, batch_size, seeds, device.type == "cuda", device, rank=d.rank,
+                                   world_size=d.world_size, drop_last=drop_last(cfg.data, uses_batch_statistics(cfg.norm)))
+    check_last_batch(cfg, loaders[0], batch_size, d)
+    return loaders
+
+
+def setup_summary(bundle: DataBundle, model: nn.Module, device: torch.device, loaders: Loaders, d: Dist) -> dict[str, Any]:
+    """What a run's summary records of how it was set up."""
+    setup = dict(params=count_parameters(model), device=str(device), steps_per_epoch=loaders.steps_per_epoch,
+                 loader=loaders.kind, world_size=d.world_size, num_classes=bundle.spec.num_classes)
+    if bundle.skipped_images:  # data.check_images=true data.bad_images=skip
+        setup["skipped_images"] = len(bundle.skipped_images)
+    return setup
+
+
+def fit(member: Member, extra_callbacks: list[Callback]) -> None:
+    """Train a run alone (a :class:`Trainer` of one member), filling its summary as it goes."""
+    cfg, summary = member.cfg, member.summary
     seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
     summary["backends"] = configure_backends(cfg.trainer.tf32, cfg.trainer.deterministic)
     d = distributed.from_environment()
@@ -421,114 +649,58 @@ def fit(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], extra_callbacks
     batch_size = distributed.split_batch(cfg.trainer.batch_size, d)
     bundle = build_data(cfg.data)
     summary["data_files"] = data_identity(cfg.data)  # compared by a re-run (the fingerprint holds settings only)
-    if bundle.skipped_images:  # data.check_images=true data.bad_images=skip
-        summary["skipped_images"] = len(bundle.skipped_images)
-    check_batch_size(cfg, bundle, batch_size, d)
-    loaders = build_loaders(bundle, cfg.data, batch_size, cfg.trainer.seed, device.type == "cuda", device,
-                            rank=d.rank, world_size=d.world_size,
-                            drop_last=drop_last(cfg.data, uses_batch_statistics(cfg.norm)))
-    check_last_batch(cfg, loaders, batch_size, d)
+    (loaders,) = training_loaders(cfg, bundle, batch_size, [cfg.trainer.seed], device, d)
     model = build_model(cfg.model, cfg.norm, cfg.act.name, bundle.spec).to(device)
     if cfg.trainer.get("init_from"):
         init_weights(model, Path(cfg.trainer.init_from))
         summary["init_from"] = str(cfg.trainer.init_from)
     if d.enabled:  # same initial weights everywhere, then each process its own random stream
         seed_everything(cfg.trainer.seed + d.rank, cfg.trainer.deterministic)
-    net = Accelerated.from_config(model, device, cfg.trainer, distributed=d.enabled)
+    net = AmpCompileWrapper.from_config(model, device, cfg.trainer, distributed=d.enabled)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_schedule(optimizer, cfg.schedule, loaders.steps_per_epoch)
-    state = TrainState(cfg, run_dir, device, model, optimizer, scheduler, loaders.steps_per_epoch,
+    state = TrainState(cfg, member.run_dir, device, model, optimizer, scheduler, loaders.steps_per_epoch,
                        total_steps(cfg.trainer, loaders.steps_per_epoch), dist=d, train_data=bundle.train,
                        summary=summary)
-    run = Run(state, build_callbacks(cfg) + extra_callbacks, summary, net)
-    summary.update(params=count_parameters(model), device=str(device), steps_per_epoch=state.steps_per_epoch,
-                   loader=loaders.kind, world_size=d.world_size, num_classes=bundle.spec.num_classes)
-    for cb in run.callbacks:
-        cb.on_train_start(state)
-    with PreemptionGuard() as guard:  # a signal while the final checkpoint is written waits for it
-        with ended_on_stop(run.callbacks, state):  # trackers close as preempted or failed on a stop
-            run.resume(str(cfg.trainer.resume))
-            status, lr = run_steps(run, loaders, bundle.spec.num_classes, guard)
-            finish_run(run, status, loaders.test, bundle.spec.num_classes, lr)
-        for cb in run.callbacks:
-            cb.on_train_end(state, status)
-        stop_if_signalled(guard)
+    member.callbacks = build_callbacks(cfg) + extra_callbacks
+    summary.update(setup_summary(bundle, model, device, loaders, d))
+    Trainer(state, net, [member], [loaders], bundle.spec.num_classes).run()
 
 
-def run_steps(run: Run, loaders: Loaders, num_classes: int, guard: PreemptionGuard) -> tuple[str, float]:
-    """Train from the run's current step to its last: log, evaluate and checkpoint on their
-    schedules. Returns the status (completed, or diverged at a non-finite training loss) and
-    the last step's lr; a signal (``guard``) checkpoints and raises :class:`Preempted`."""
-    state, cfg = run.state, run.state.cfg
-    eval_every = max(1, to_steps(cfg.trainer.eval_every, cfg.trainer.eval_unit, state.steps_per_epoch))
-    log_every = int(cfg.trainer.log_every)
-    clock = CheckpointClock(cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_unit, state.steps_per_epoch, log_every)
-    state.model.train()
-    stream = loaders.epochs_from(state.step)
-    bar = tqdm(total=state.total_steps, initial=state.step, desc="train", disable=not sys.stderr.isatty(),
-               dynamic_ncols=True)
-    lr, status = state.lr, "completed"
-    while state.step < state.total_steps:
-        x, y = next(stream)
-        x, y = x.to(state.device, non_blocking=True), y.to(state.device, non_blocking=True)
-        lr = state.lr
-        logits, loss = train_step(run.net, state.optimizer, run.callbacks, state, x, y)
-        last = end_step(state, run.meter, run.callbacks, loss, logits, y, bar)
-        if state.step % log_every == 0 or state.step % eval_every == 0 or last:
-            train_loss, train_acc = run.meter.read()
-            if not math.isfinite(train_loss):
-                status = "diverged"
-                log.warning("non-finite training loss at step %d: stopping (status diverged)", state.step)
-                break
-            bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.4g}")
-            if bar.disable and state.step % log_every == 0:
-                log.info("step %d/%d epoch %.2f loss %.4f acc %.2f%% lr %.4g", state.step, state.total_steps,
-                         state.epoch, train_loss, train_acc, lr)
-        if state.step % eval_every == 0 or last:
-            run.evaluate(loaders.test, num_classes, lr)
-        checkpoint_or_stop(guard, clock, state, last, run.save_periodic, [run.summary])
-    bar.close()
-    return status, lr
-
-
-def finish_run(run: Run, status: str, test: DataLoader, num_classes: int, lr: float) -> None:
-    """After the last step: an evaluation if the run has none, the summary's status and, for a
-    completed run, the final checkpoint (the periodic ones are then removed)."""
-    state = run.state
-    if not run.metrics.rows:
-        run.evaluate(test, num_classes, lr)
-    run.summary.update(status=status, steps=state.step, epochs=round(state.epoch, 4))
-    if status == "completed":
-        payload = run.payload()
-        then = "the run's metrics and summary stand (status completed); any periodic checkpoints are kept"
-        if state.dist.is_main and run.save(payload, state.run_dir / checkpoint.FINAL, then):
-            checkpoint.prune(state.run_dir, 0)
+@contextmanager
+def outcome_recorded(members: Sequence[Member]) -> Iterator[None]:
+    """Training inside: an exception is recorded in the summary of every member that did not
+    diverge (``failed`` with its traceback, ``interrupted`` by Ctrl-C; a signal's stop set
+    its status already) and re-raised; in any case each member that writes then writes its
+    summary.json, with the wall time."""
+    started = time.perf_counter()
+    try:
+        yield
+    except Preempted:
+        raise
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started: no checkpoint
+        for m in members:
+            if m.status != "diverged":
+                m.summary.update(status="interrupted", error="KeyboardInterrupt: stopped by Ctrl-C")
+        raise
+    except BaseException as err:
+        for m in members:
+            if m.status != "diverged":
+                m.summary.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
+        raise
+    finally:
+        for m in members:
+            if m.writes:
+                m.summary["wall_seconds"] = round(time.perf_counter() - started, 3)
+                write_json(m.run_dir / "summary.json", m.summary)
 
 
 def train(cfg: DictConfig, run_dir: Path, callbacks: list[Callback] | None = None) -> dict[str, Any]:
     """Run one job in ``run_dir`` and return its summary; exceptions are recorded, then re-raised."""
-    main_process = distributed.from_environment().is_main  # only rank 0 writes files
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if main_process:
-        checkpoint.remove_partial_files(run_dir)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-    started = time.perf_counter()
-    summary: dict[str, Any] = {"status": "failed", **version_stamp(), "fingerprint": fingerprint(cfg),
-                               "config": OmegaConf.to_container(cfg, resolve=True)}
-    try:
+    member = Member(0, cfg, run_dir, {}, writes=distributed.from_environment().is_main)  # only rank 0 writes files
+    member.start()
+    with outcome_recorded([member]):
         validate(cfg)
         with distributed.peers_timeout_named(float(cfg.trainer.dist_timeout)):
-            fit(cfg, run_dir, summary, list(callbacks or []))
-    except Preempted:
-        raise
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started: no checkpoint
-        summary.update(status="interrupted", error="KeyboardInterrupt: stopped by Ctrl-C")
-        raise
-    except BaseException as err:
-        summary.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
-        raise
-    finally:
-        summary["wall_seconds"] = round(time.perf_counter() - started, 3)
-        if main_process:
-            write_json(run_dir / "summary.json", summary)
-    return summary
+            fit(member, list(callbacks or []))
+    return member.summary

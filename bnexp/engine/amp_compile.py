@@ -6,8 +6,9 @@ fp16 also scales the loss with a GradScaler, whose state goes into checkpoints.
 ``trainer.compile`` compiles the forward (autocast included; AOTAutograd compiles its
 backward with it) and the optimizer step with torch.compile. Under torchrun the model is
 wrapped in DistributedDataParallel before compilation.
-:class:`Accelerated` wraps the model; the model itself stays an ordinary module, so its
-state_dict, the callbacks and the checkpoints never see the wrapper.
+:class:`AmpCompileWrapper` wraps the model with these settings and does the backward and the
+optimizer step they need; the model itself stays an ordinary module, so its state_dict, the
+callbacks and the checkpoints never see the wrapper.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ def amp_mode(value: Any) -> str:
     return mode
 
 
-class Accelerated(nn.Module):
-    """``model`` called under the run's memory format, autocast and compiler; logits in float32
-    at least.
+class AmpCompileWrapper(nn.Module):
+    """``model`` called under the run's memory format (channels_last), autocast (amp) and
+    compiler (and DDP under torchrun), logits in float32 at least; with the backward (loss
+    scaled under fp16) and the optimizer step (compiled under ``compile``) these need.
 
     Converts ``model`` to channels_last in place when asked (before the optimizer is built,
     so it sees the converted parameters). Owns the GradScaler (a no-op unless ``fp16``).
@@ -67,7 +69,7 @@ class Accelerated(nn.Module):
 
     @classmethod
     def from_config(cls, model: nn.Module, device: torch.device, cfg: Mapping[str, Any],
-                    distributed: bool = False) -> Accelerated:
+                    distributed: bool = False) -> AmpCompileWrapper:
         """From the ``trainer`` config group (missing keys mean off); ``distributed`` wraps DDP."""
         compile_ = cfg.get("compile", False)
         if not isinstance(compile_, bool):
