@@ -12,10 +12,12 @@ from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
+from hydra.core.plugins import Plugins
 from omegaconf import OmegaConf
 
 from bnexp.engine.identity import cell_name, run_name
 from bnexp.reference import bnp_lr
+from hydra_plugins.bnexp_searchpath import BnexpPluginConfigs
 
 
 def config_dir() -> Path:
@@ -46,8 +48,11 @@ def is_group(o: Override) -> bool:
 
 
 def register_resolvers() -> None:
-    """OmegaConf resolvers the config tree uses (``${run_name:...}``, ``${cell_name:...}``,
-    ``${sweep_name:...}``, ``${bnp_lr:...}``)."""
+    """What composing bnexp's config tree needs besides the tree: the OmegaConf resolvers it
+    uses (``${run_name:...}``, ``${cell_name:...}``, ``${sweep_name:...}``, ``${bnp_lr:...}``)
+    and the search-path plugin that adds the ``BNEXP_PLUGINS`` config folders (registered by
+    hand: an editable install hides ``hydra_plugins`` from Hydra's own scan)."""
+    Plugins.instance().register(BnexpPluginConfigs)
     for name, resolver in (("run_name", run_name), ("cell_name", cell_name), ("bnp_lr", bnp_lr)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver)

@@ -74,6 +74,11 @@ def typed(key: str, text: str, default: Any) -> Any:
         raise ConfigError(f"{key}={text!r} is not valid: expected a {type(default).__name__}") from err
 
 
+def norm_presets() -> list[str]:
+    """The ``norm`` presets of bnexp's config tree (``configs/norm/*.yaml``)."""
+    return sorted(p.stem for p in (config_dir() / "norm").glob("*.yaml"))
+
+
 def compose_train(overrides: Sequence[str]) -> DictConfig:
     """The config ``bnexp train`` would run with these overrides."""
     register_resolvers()

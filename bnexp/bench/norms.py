@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from bnexp.bench.common import COMMON, MODES, Record, device_of, measure, record
 from bnexp.nn import set_learning_rate
-from bnexp.nn.create_norm import create_norm
+from bnexp.nn.create_norm import NORM_LAYERS, create_norm
 from bnexp.support.errors import unknown_choice
 
 # (channels, height = width, normalizations of that shape) of each network's norms
@@ -28,20 +28,22 @@ BATCH = {"resnet20": 128, "resnet50": 32}  # a CIFAR batch; an ImageNet per-GPU 
 BASELINE = "bn/eager"
 
 
-# bench name -> its layer in bnexp.nn.create_norm.NORM_LAYERS, built by create_norm as models build it;
-# "bn" is torch's own BatchNorm2d, "family" bnexp's NormFamily2d at BN's flags
-NORMS: dict[str, str] = {"bn": "batchnorm", "family": "norm_family", "popnorm": "popnorm", "cbn": "cbn",
-                         "brn": "batch_renorm", "bn_si": "bn_si", "bn_4things": "four_things"}
+def bench_norms() -> dict[str, str]:
+    """Bench name -> layer, for every layer of :data:`~bnexp.nn.create_norm.NORM_LAYERS` (the
+    methods of bnexp/nn/ and of ``BNEXP_PLUGINS``), built by create_norm as models build it;
+    "bn" is torch's own BatchNorm2d, "family" bnexp's NormFamily2d at BN's flags."""
+    names = {NORM_LAYERS.get(layer).short or layer: layer for layer in NORM_LAYERS}
+    return {name: names[name] for name in sorted(names, key=lambda n: (n != "bn", n))}  # the baseline first
 
 
 def make_norm(name: str, channels: int, device: torch.device) -> nn.Module:
     """The ``name`` module over ``channels``; ``bn_si`` bound to a 1x1 conv of that width
     (only its weight is read)."""
-    module = create_norm(NORMS[name], channels, 2).to(device)
+    module = create_norm(bench_norms()[name], channels, 2).to(device)
     if hasattr(module, "bind"):
         module.bind(nn.Conv2d(channels, channels, 1, bias=False, device=device))
     return module
-DEFAULTS: dict[str, Any] = {**COMMON, "modes": MODES, "number": 10, "nets": tuple(NETS), "norms": tuple(NORMS),
+DEFAULTS: dict[str, Any] = {**COMMON, "modes": MODES, "number": 10, "nets": tuple(NETS), "norms": tuple(bench_norms()),
                             "batch": 0, "out": "results/bench/norms.json"}
 COLUMNS = ("net", "name", "mode", "seconds_median", "seconds_iqr", "ratio", "ratio_iqr")
 
@@ -74,8 +76,8 @@ def norm_case(name: str, mode: str, layers: Sequence[Layer], device: torch.devic
 def bench(options: Mapping[str, Any], overrides: Sequence[str]) -> list[Record]:
     device = device_of(options)
     for name in options["norms"]:
-        if name not in NORMS:
-            raise unknown_choice("norm module", name, NORMS)
+        if name not in bench_norms():
+            raise unknown_choice("norm module", name, bench_norms())
     records = []
     for net in options["nets"]:
         if net not in NETS:

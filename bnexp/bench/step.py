@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from omegaconf import DictConfig
 
-from bnexp.bench.common import COMMON, MODES, Record, compose_train, device_of, measure, record
+from bnexp.bench.common import COMMON, MODES, Record, compose_train, device_of, measure, norm_presets, record
 from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import TrainState
 from bnexp.engine.optim import build_optimizer, build_schedule
@@ -30,9 +30,7 @@ MODELS: dict[str, tuple[DataSpec, int]] = {
     "vgg16": (DataSpec(10, 3, 32), 128),
     "resnet50": (DataSpec(1000, 3, 224), 32),
 }
-NORMS = ("bn", "popnorm", "cbn", "brn", "bn_si", "bn_4things", "gn", "none", "bnp")
-BASELINES = {"bnp": "none"}  # every other norm is compared with bn
-DEFAULTS: dict[str, Any] = {**COMMON, "modes": MODES, "number": 5, "models": tuple(MODELS), "norms": NORMS,
+DEFAULTS: dict[str, Any] = {**COMMON, "modes": MODES, "number": 5, "models": tuple(MODELS), "norms": tuple(norm_presets()),
                             "batch": 0, "image_size": 0, "out": "results/bench/step.json"}
 COLUMNS = ("model", "name", "mode", "baseline", "seconds_median", "seconds_iqr", "ratio", "ratio_iqr")
 # A small learning rate keeps random-label steps finite (NaNs would distort the timings).
@@ -56,6 +54,12 @@ def step_case(cfg: DictConfig, spec: DataSpec, batch: int, device: torch.device,
     return lambda: train_step(net, optimizer, callbacks, state, x, y)
 
 
+def baseline(norm: str) -> str:
+    """The preset a norm's step is compared with: ``none`` for a preset that adds something
+    other than normalization layers (``bnp``: BNP without norms), ``bn`` for the others."""
+    return "none" if norm != "none" and compose_train([f"norm={norm}"]).norm.layer is None else "bn"
+
+
 def bench(options: Mapping[str, Any], overrides: Sequence[str]) -> list[Record]:
     device = device_of(options)
     records = []
@@ -65,7 +69,8 @@ def bench(options: Mapping[str, Any], overrides: Sequence[str]) -> list[Record]:
             if options["image_size"]:
                 spec = DataSpec(spec.num_classes, spec.in_channels, options["image_size"])
             batch = options["batch"] or batch
-            norms = list(dict.fromkeys([*options["norms"], *(BASELINES.get(n, "bn") for n in options["norms"])]))
+            bases = {norm: baseline(norm) for norm in options["norms"]}
+            norms = list(dict.fromkeys([*options["norms"], *bases.values()]))
             cases = {}
             for norm in norms:
                 for mode in options["modes"]:
@@ -74,7 +79,7 @@ def bench(options: Mapping[str, Any], overrides: Sequence[str]) -> list[Record]:
                     cases[f"{norm}/{mode}"] = step_case(cfg, spec, batch, device, Path(tmp))
             times = measure(cases, options["reps"], options["number"], options["warmup"], device)
             for norm in options["norms"]:
-                base = BASELINES.get(norm, "bn")
+                base = bases[norm]
                 for mode in options["modes"]:
                     records.append(record(norm, mode, device, times[f"{norm}/{mode}"], f"{base}/{mode}",
                                           times[f"{base}/{mode}"], model=model, batch=batch,

@@ -15,10 +15,13 @@ layer is the classifier (normalized in front only in ``before_op`` with ``norm.c
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 from torch import nn
 
 from bnexp.models.layers import LayerBuilder, glorot_uniform_init
+from bnexp.models.registry import DataSpec, ModelBuilder, register_model
 from bnexp.support.errors import ConfigError, unknown_choice
 
 PADDINGS = ("valid", "same")
@@ -85,3 +88,21 @@ class CNN5(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.dense(self.features(x)))
+
+
+def _mlp(depth: int) -> ModelBuilder:
+    def build(b: LayerBuilder, data: DataSpec, cfg: Mapping[str, Any]) -> nn.Module:
+        num_features = data.in_channels * data.image_size**2
+        return MLP(b, num_features, data.num_classes, depth, width=cfg.get("width", 100))
+
+    return build
+
+
+for _depth in (3, 2):
+    register_model(f"mlp{_depth}x100")(_mlp(_depth))
+
+
+@register_model("cnn5")
+def _cnn5(b: LayerBuilder, data: DataSpec, cfg: Mapping[str, Any]) -> nn.Module:
+    width, padding = cfg.get("width", 32), cfg.get("padding", "valid")
+    return CNN5(b, data.num_classes, data.in_channels, data.image_size, width=width, padding=padding)

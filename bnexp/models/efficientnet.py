@@ -14,12 +14,14 @@ copied: the norm preset decides. Initialization as torchvision.
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 from torchvision.ops import StochasticDepth
 
 from bnexp.models.layers import LayerBuilder, kaiming_fan_out_init
+from bnexp.models.registry import DataSpec, register_model
 
 # expand ratio, kernel, stride, input channels, output channels, blocks (B0 at width 1.0)
 B0_STAGES = (
@@ -125,3 +127,16 @@ class EfficientNet(nn.Module):
         # a before_op classifier normalization sees the features before dropout, as in eval
         x = self.fc.normalize_input(torch.flatten(self.pool(self.features(x)), 1))
         return self.fc.from_normalized(self.dropout(x))
+
+
+@register_model("efficientnet_b0")
+def _efficientnet_b0(b: LayerBuilder, data: DataSpec, cfg: Mapping[str, Any]) -> nn.Module:
+    return EfficientNet(
+        b,
+        data.num_classes,
+        data.in_channels,
+        width_mult=cfg.get("width_mult", 1.0),
+        depth_mult=cfg.get("depth_mult", 1.0),
+        dropout=cfg.get("dropout", 0.2),
+        stochastic_depth=cfg.get("stochastic_depth", 0.2),
+    )

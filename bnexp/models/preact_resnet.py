@@ -13,11 +13,13 @@ pre-activated input ``act(N1(x))``, as in the authors' code (resnet-1k-layers).
 from __future__ import annotations
 
 from functools import partial
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from bnexp.models.layers import LayerBuilder, he_normal_init
+from bnexp.models.registry import DataSpec, register_model
 from bnexp.models.resnet_cifar import blocks_per_stage, residual_stages
 
 
@@ -57,3 +59,8 @@ class PreActResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.act(self.norm(self.blocks(self.stem(x))))
         return self.fc(torch.flatten(self.pool(x), 1))
+
+
+@register_model("preact_resnet110")
+def _preact_resnet110(b: LayerBuilder, data: DataSpec, cfg: Mapping[str, Any]) -> nn.Module:
+    return PreActResNet(b, 110, data.num_classes, data.in_channels, width=cfg.get("width", 16))

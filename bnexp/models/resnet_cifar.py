@@ -8,13 +8,14 @@ op normalizes the block input once (``n1``), and a projection shortcut reads tha
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from bnexp.models.layers import LayerBuilder, NormOp, he_normal_init
+from bnexp.models.registry import DataSpec, ModelBuilder, register_model
 
 
 class OptionAShortcut(nn.Module):
@@ -123,3 +124,14 @@ class CifarResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.blocks(self.stem_act(self.stem(x)))
         return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def _cifar_resnet(depth: int) -> ModelBuilder:
+    def build(b: LayerBuilder, data: DataSpec, cfg: Mapping[str, Any]) -> nn.Module:
+        return CifarResNet(b, depth, data.num_classes, data.in_channels, width=cfg.get("width", 16))
+
+    return build
+
+
+for _depth in (20, 32, 44, 56, 110):
+    register_model(f"resnet{_depth}")(_cifar_resnet(_depth))

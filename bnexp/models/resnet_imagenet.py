@@ -10,11 +10,13 @@ the convs, normalizations at weight 1 / bias 0 (their defaults), default linear 
 from __future__ import annotations
 
 from functools import partial
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from bnexp.models.layers import LayerBuilder, kaiming_fan_out_init
+from bnexp.models.registry import DataSpec, ModelBuilder, register_model
 from bnexp.models.resnet_cifar import BasicBlock, ResidualBlock, residual_stages
 
 
@@ -69,3 +71,16 @@ RESNET_DEPTHS: dict[str, tuple[type[ResidualBlock], tuple[int, ...]]] = {
     "resnet18": (BasicBlock, (2, 2, 2, 2)),
     "resnet50": (Bottleneck, (3, 4, 6, 3)),
 }
+
+
+def _imagenet_resnet(name: str) -> ModelBuilder:
+    block, depths = RESNET_DEPTHS[name]
+
+    def build(b: LayerBuilder, data: DataSpec, cfg: Mapping[str, Any]) -> nn.Module:
+        return ImageNetResNet(b, block, depths, data.num_classes, data.in_channels, width=cfg.get("width", 64))
+
+    return build
+
+
+for _name in RESNET_DEPTHS:
+    register_model(_name)(_imagenet_resnet(_name))

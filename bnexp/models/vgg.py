@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 from torch import nn
 
 from bnexp.models.layers import LayerBuilder, he_normal_init
+from bnexp.models.registry import DataSpec, register_model
 
 VGG16_CFG = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
 
@@ -31,3 +34,8 @@ class VGG(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.flatten(self.pool(self.features(x)), 1))
+
+
+@register_model("vgg16")
+def _vgg16(b: LayerBuilder, data: DataSpec, cfg: Mapping[str, Any]) -> nn.Module:
+    return VGG(b, data.num_classes, data.in_channels, width=cfg.get("width", 64))

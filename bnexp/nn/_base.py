@@ -9,6 +9,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from bnexp.support.distributed import synced_var_mean
+
 FEATURES = (2, 3)  # 1d modules: (N, C) or (N, C, L), like torch.nn.BatchNorm1d
 IMAGES = (4,)  # 2d modules: (N, C, H, W)
 FUSED_PLANE = 1 << 16  # largest H * W that channel_sums hands to the batch-norm kernel
@@ -167,7 +169,5 @@ class ChannelNorm(nn.Module):
         wide = x.to(torch.promote_types(x.dtype, self.weight.dtype))
         var, mean = var_mean_per_channel(wide)
         if self.sync:
-            from bnexp.support.distributed import synced_var_mean
-
             var, mean = synced_var_mean(var, mean, x.numel() // self.num_features)
         return var.to(self.weight.dtype), mean.to(self.weight.dtype)

@@ -17,20 +17,6 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 from torch import nn
 
-from bnexp.nn import (
-    BatchRenorm1d,
-    BatchRenorm2d,
-    CBN1d,
-    CBN2d,
-    FourThingsBN1d,
-    FourThingsBN2d,
-    NormFamily1d,
-    NormFamily2d,
-    POPNorm1d,
-    POPNorm2d,
-    ScaleInvariantBN1d,
-    ScaleInvariantBN2d,
-)
 from bnexp.support.errors import ConfigError, unknown_choice
 from bnexp.support.registry import Registry
 
@@ -54,33 +40,21 @@ class NormLayer:
     images: Builder
     keys: tuple[str, ...]
     batch_statistics: bool = True  # whether its training forward normalizes with batch statistics
+    short: str = ""  # the name `bnexp bench norms` gives it (the layer's name when empty)
 
 
-NORM_LAYERS: Registry[NormLayer] = Registry("norm layer")
+# Filled by the modules of bnexp/nn/ (and BNEXP_PLUGINS) as they are imported: each method
+# registers its layer beside its class; the first lookup imports them all.
+NORM_LAYERS: Registry[NormLayer] = Registry("norm layer", package="bnexp.nn")
 
 
 def register_norm(name: str, features: Builder, images: Builder, keys: tuple[str, ...],
-                  batch_statistics: bool = True) -> None:
-    """Make ``name`` a ``layer`` of the norm presets (and of :func:`create_norm`)."""
-    NORM_LAYERS.register(name)(NormLayer(features, images, keys, batch_statistics))
-
-
-# The flags of bnexp.nn.NormFamily (METHODS.md section 2), shared by its presets.
-FAMILY_KEYS = ("center", "scale", "decouple", "rho", "amat", "eps", "momentum", "amat_eta", "amat_update",
-               "amat_r_max", "sync")
-BN_FLAGS = {"center": True, "scale": True, "decouple": False, "rho": 1.0, "amat": False, "sync": False}
-
-
-def batch_norm(family: type[nn.Module], torch_bn: type[nn.modules.batchnorm._BatchNorm]) -> Builder:
-    """torch's own BatchNorm where the family's flags are BN's (faster kernels), the family
-    member with those flags otherwise (the CBN ablation rows, ``norm.sync``)."""
-
-    def make(num_features: int, **options: Any) -> nn.Module:
-        if all(options.get(key, default) == default for key, default in BN_FLAGS.items()):
-            return torch_bn(num_features, eps=options.get("eps", 1e-5), momentum=options.get("momentum", 0.1))
-        return family(num_features, **options)
-
-    return make
+                  batch_statistics: bool = True, short: str = "") -> None:
+    """Make ``name`` a ``layer`` of the norm presets (and of :func:`create_norm`): its module
+    over features and over images, the preset keys that are their keyword arguments,
+    whether it normalizes with batch statistics (the flag rules and the batch-size check
+    read it) and the short name benches print."""
+    NORM_LAYERS.register(name)(NormLayer(features, images, keys, batch_statistics, short))
 
 
 def group_norm(num_features: int, groups: int = 4, eps: float = 1e-5) -> nn.Module:
@@ -97,35 +71,14 @@ class ChannelsError(ValueError):
     """A normalization's options do not fit a layer's channel count (GN groups)."""
 
 
-def four_things(family: type[nn.Module]) -> Builder:
-    """BN with 4 things whose ``groups`` (when set) must divide the channels, as for :func:`group_norm`."""
-
-    def make(num_features: int, **options: Any) -> nn.Module:
-        groups = options.get("groups")
-        if isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1 and num_features % groups:
-            raise ChannelsError(f"groups={groups} does not divide the {num_features} channels of a normalized layer")
-        return family(num_features, **options)
-
-    return make
-
-
 def layer_norm_images(num_features: int, eps: float = 1e-5) -> nn.Module:
     """LayerNorm over all of C x H x W per sample: GroupNorm with one group."""
     return nn.GroupNorm(1, num_features, eps=eps)
 
 
-register_norm("batchnorm", batch_norm(NormFamily1d, nn.BatchNorm1d), batch_norm(NormFamily2d, nn.BatchNorm2d),
-              FAMILY_KEYS)
-register_norm("norm_family", NormFamily1d, NormFamily2d, FAMILY_KEYS)  # bnexp's implementation always
-register_norm("cbn", CBN1d, CBN2d, FAMILY_KEYS)
-register_norm("popnorm", POPNorm1d, POPNorm2d, FAMILY_KEYS)
-register_norm("batch_renorm", BatchRenorm1d, BatchRenorm2d, ("r_max", "d_max", "momentum", "eps",
-              "relax_start", "r_max_step", "d_max_step", "sync"))
-register_norm("four_things", four_things(FourThingsBN1d), four_things(FourThingsBN2d),
-              ("ghost_batch", "groups", "alpha", "affine_decay", "momentum", "eps"))
-register_norm("bn_si", ScaleInvariantBN1d, ScaleInvariantBN2d, ("eps", "momentum", "sync"))  # bound to its op later
-register_norm("groupnorm", group_norm, group_norm, ("groups", "eps"), batch_statistics=False)
-register_norm("layernorm", nn.LayerNorm, layer_norm_images, ("eps",), batch_statistics=False)
+# torch's own normalizations; bnexp's methods register theirs in their modules.
+register_norm("groupnorm", group_norm, group_norm, ("groups", "eps"), batch_statistics=False, short="gn")
+register_norm("layernorm", nn.LayerNorm, layer_norm_images, ("eps",), batch_statistics=False, short="ln")
 
 
 def create_norm(layer: Union[str, Builder], num_features: int, dim: int = 2, **options: Any) -> nn.Module:

@@ -14,6 +14,8 @@ from torch import Tensor, nn
 
 from bnexp.nn._base import FEATURES, IMAGES, ChannelNorm, affine, check_fraction, widen
 from bnexp.nn._fused import scaled_norm
+from bnexp.nn.create_norm import Builder, register_norm
+from bnexp.support.distributed import world_size
 
 AMAT_OMEGA = 10.0  # CBN's omega: eta_k = max(1 - omega * lr_k, 0)
 AMAT_MEAN_GUARD = 1e-6  # |mu_B| below this: r_mu = 1 (no ratio through a vanishing mean)
@@ -189,8 +191,6 @@ class NormFamily(ChannelNorm):
     def _track(self, mean: Tensor, var: Tensor, n: int) -> None:
         """torch.nn.BatchNorm's running-statistics update (unbiased variance)."""
         if self.sync:  # the statistics cover every process's batch (equal batch sizes)
-            from bnexp.support.distributed import world_size
-
             n *= world_size()
         with torch.no_grad():
             self.running_mean.lerp_(mean, self.momentum)
@@ -326,3 +326,28 @@ def set_learning_rate(model: nn.Module, lr: float) -> int:
     for m in layers:
         m.set_learning_rate(lr)
     return len(layers)
+
+
+# The flags of bnexp.nn.NormFamily (METHODS.md section 2), shared by its presets.
+FAMILY_KEYS = ("center", "scale", "decouple", "rho", "amat", "eps", "momentum", "amat_eta", "amat_update",
+               "amat_r_max", "sync")
+BN_FLAGS = {"center": True, "scale": True, "decouple": False, "rho": 1.0, "amat": False, "sync": False}
+
+
+def batch_norm(family: type[nn.Module], torch_bn: type[nn.modules.batchnorm._BatchNorm]) -> Builder:
+    """torch's own BatchNorm where the family's flags are BN's (faster kernels), the family
+    member with those flags otherwise (the CBN ablation rows, ``norm.sync``)."""
+
+    def make(num_features: int, **options: Any) -> nn.Module:
+        if all(options.get(key, default) == default for key, default in BN_FLAGS.items()):
+            return torch_bn(num_features, eps=options.get("eps", 1e-5), momentum=options.get("momentum", 0.1))
+        return family(num_features, **options)
+
+    return make
+
+
+register_norm("batchnorm", batch_norm(NormFamily1d, nn.BatchNorm1d), batch_norm(NormFamily2d, nn.BatchNorm2d),
+              FAMILY_KEYS, short="bn")
+register_norm("norm_family", NormFamily1d, NormFamily2d, FAMILY_KEYS, short="family")  # bnexp's code always
+register_norm("cbn", CBN1d, CBN2d, FAMILY_KEYS)
+register_norm("popnorm", POPNorm1d, POPNorm2d, FAMILY_KEYS)

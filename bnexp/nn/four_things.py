@@ -16,12 +16,13 @@ by one (``docs/methods/bn_4things.md`` states the definitions and the defaults):
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from bnexp.nn._base import FEATURES, IMAGES, ChannelNorm, check_fraction, widen
+from bnexp.nn.create_norm import Builder, ChannelsError, register_norm
 
 
 class FourThingsBN(ChannelNorm):
@@ -124,3 +125,19 @@ class FourThingsBN2d(FourThingsBN):
     """BN with 4 things over images: (N, C, H, W)."""
 
     input_dims = IMAGES
+
+
+def four_things(family: type[nn.Module]) -> Builder:
+    """BN with 4 things whose ``groups`` (when set) must divide the channels, as for :func:`group_norm`."""
+
+    def make(num_features: int, **options: Any) -> nn.Module:
+        groups = options.get("groups")
+        if isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1 and num_features % groups:
+            raise ChannelsError(f"groups={groups} does not divide the {num_features} channels of a normalized layer")
+        return family(num_features, **options)
+
+    return make
+
+
+register_norm("four_things", four_things(FourThingsBN1d), four_things(FourThingsBN2d),
+              ("ghost_batch", "groups", "alpha", "affine_decay", "momentum", "eps"), short="bn_4things")

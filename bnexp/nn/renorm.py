@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from bnexp.nn._base import FEATURES, IMAGES, ChannelNorm, affine, check_fraction, widen
+from bnexp.nn.create_norm import register_norm
 
 
 def _check_schedule(r_max: Optional[float], d_max: Optional[float], relax_start: Optional[int],
@@ -125,3 +126,7 @@ class BatchRenorm2d(BatchRenorm):
     """Batch renormalization over images: (N, C, H, W), statistics over N*H*W per channel."""
 
     input_dims = IMAGES
+
+
+register_norm("batch_renorm", BatchRenorm1d, BatchRenorm2d, ("r_max", "d_max", "momentum", "eps", "relax_start",
+              "r_max_step", "d_max_step", "sync"), short="brn")

@@ -7,6 +7,7 @@ from typing import Optional
 from torch import Tensor, nn
 
 from bnexp.nn._base import FEATURES, IMAGES
+from bnexp.nn.create_norm import register_norm
 from bnexp.nn.family import NormFamily
 
 _TORCH_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -82,3 +83,6 @@ def is_scale_invariant(norm: nn.Module, op_bias: bool = False) -> bool:
     if isinstance(norm, (nn.GroupNorm, nn.LayerNorm)):
         return not op_bias
     return False
+
+
+register_norm("bn_si", ScaleInvariantBN1d, ScaleInvariantBN2d, ("eps", "momentum", "sync"))  # bound to its op later

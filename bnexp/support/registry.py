@@ -1,20 +1,39 @@
-"""A tiny name -> builder map shared by models, norms, activations and data sets."""
+"""A tiny name -> builder map shared by models, norms, activations and data sets, and the
+discovery that fills the norm and model maps from their packages' modules.
+
+A norm or model registers itself in the module that defines it (timm's ``@register_model``
+idea). Those modules are found, not listed: the first lookup of a map made with a
+``package`` imports every module of it (``bnexp/nn/``, ``bnexp/models/``), and every
+lookup the modules named in ``BNEXP_PLUGINS``, so a new method is its own file and nothing
+else in the code names it.
+"""
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+import importlib
+import os
+import pkgutil
+from pathlib import Path
+from typing import Callable, Generic, Iterator, Optional, Sequence, TypeVar
 
-from bnexp.support.errors import unknown_choice
+from bnexp.support.errors import ConfigError, unknown_choice
 
 T = TypeVar("T")
 
+# Modules outside bnexp that register norms or models, comma-separated (docs/architecture.md).
+PLUGINS_ENV = "BNEXP_PLUGINS"
+
 
 class Registry(Generic[T]):
-    """Maps names to builders; lookups of unknown names list the valid ones."""
+    """Maps names to builders; lookups of unknown names list the valid ones. With a
+    ``package``, every lookup first imports the modules that register: the package's, once,
+    and those ``BNEXP_PLUGINS`` names (already imported ones cost a dict lookup, and a
+    plugin named after the first lookup is still found)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, package: Optional[str] = None) -> None:
         self.kind = kind
         self._items: dict[str, T] = {}
+        self._package = package
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator that stores ``obj`` under ``name``."""
@@ -27,18 +46,62 @@ class Registry(Generic[T]):
 
         return add
 
+    def _discovered(self) -> dict[str, T]:
+        if self._package is not None:
+            package, self._package = self._package, None  # once: a module registers as it is imported
+            import_package_modules(package)
+        if plugins := plugin_names():
+            import_plugins(plugins)
+        return self._items
+
     def get(self, name: str) -> T:
         """The builder registered under ``name``; ConfigError if there is none."""
+        items = self._discovered()
         try:
-            return self._items[name]
+            return items[name]
         except KeyError:
-            raise unknown_choice(self.kind, name, self._items) from None
+            raise unknown_choice(self.kind, name, items) from None
 
     def names(self) -> list[str]:
-        return sorted(self._items)
+        return sorted(self._discovered())
 
     def __contains__(self, name: object) -> bool:
-        return name in self._items
+        return name in self._discovered()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+def import_package_modules(package: str) -> None:
+    """Import every module of ``package`` (each registers what it defines)."""
+    for module in pkgutil.iter_modules(importlib.import_module(package).__path__):
+        importlib.import_module(f"{package}.{module.name}")
+
+
+def plugin_names() -> list[str]:
+    """The modules ``BNEXP_PLUGINS`` names."""
+    return [name.strip() for name in os.environ.get(PLUGINS_ENV, "").split(",") if name.strip()]
+
+
+def import_plugins(names: Sequence[str]) -> None:
+    """Import the modules of ``BNEXP_PLUGINS``; one that cannot be imported is a ConfigError."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise ConfigError(f"{PLUGINS_ENV}={os.environ[PLUGINS_ENV]}: cannot import {name!r} ({err}); name "
+                              "importable modules (on PYTHONPATH), separated by commas") from None
+
+
+def plugin_config_dirs() -> list[Path]:
+    """The ``configs/`` folders beside the ``BNEXP_PLUGINS`` modules (a package's folder, or
+    a module file's), which bnexp's config search path adds after its own."""
+    names = plugin_names()
+    import_plugins(names)
+    dirs = []
+    for name in names:
+        module = importlib.import_module(name)
+        where = Path(module.__file__).parent if module.__file__ else Path(next(iter(module.__path__)))
+        if (where / "configs").is_dir():
+            dirs.append(where / "configs")
+    return dirs
