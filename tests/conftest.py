@@ -8,10 +8,12 @@ import os
 # started by the tests inherit the variable).
 os.environ["OMP_NUM_THREADS"] = "1"
 
+import copy
 import csv
 import json
 import pickle
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from omegaconf import DictConfig
 
 from bnexp.app.compose import config_dir, register_resolvers
 from bnexp.cli import main
+from bnexp.report import presets
 
 torch.set_num_threads(1)
 
@@ -35,6 +38,33 @@ TINY = [
     "trainer.max_steps=4",
     "trainer.device=cpu",
 ]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` first, each module's in their order: pytest-xdist hands out tests
+    in this order, so the long ones start early instead of leaving one worker busy at the end
+    while the other idles. (xdist groups go first anyway: --dist loadgroup sends the units
+    holding the most tests first.)"""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def preset_job_configs_once() -> Iterator[None]:
+    """``bnexp table``, ``plot`` and the two-stage tuning match runs to a preset by composing
+    the config of each of its jobs (CBN Table 1: 1350 of them, about 10 s); several tests ask
+    for the same preset's. Each worker process computes them once and hands out copies."""
+    real = presets.job_configs
+    memo: dict[tuple, list[dict]] = {}
+
+    def once(name: str, scale: str, jobs: list[list[str]]) -> list[dict]:
+        key = (name, scale, tuple(tuple(job) for job in jobs))
+        if key not in memo:
+            memo[key] = real(name, scale, jobs)
+        return copy.deepcopy(memo[key])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(presets, "job_configs", once)
+        yield
 
 
 def compose_cfg(overrides: list[str]) -> DictConfig:

@@ -418,6 +418,7 @@ def lr_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.mark.xdist_group("lr_sweep")  # in one worker: the sweep is made once
 def test_table_of_any_sweep(lr_sweep: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out = run_cli(["table", str(lr_sweep), "rows=act", "cols=optim.lr"], capsys)
     assert code == 0, out
@@ -432,6 +433,7 @@ def test_table_of_any_sweep(lr_sweep: Path, capsys: pytest.CaptureFixture[str]) 
     assert code == EXIT_CONFIG and "unknown key 'actt' for rows/cols: the overrides that vary here are act, optim.lr" in out
 
 
+@pytest.mark.xdist_group("lr_sweep")  # in one worker: the sweep is made once
 def test_plot_of_any_sweep(lr_sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out = run_cli(["plot", str(lr_sweep), f"out={tmp_path}"], capsys)
     assert code == 0, out
