@@ -12,6 +12,7 @@ import copy
 import csv
 import json
 import pickle
+import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -65,6 +66,24 @@ def preset_job_configs_once() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(presets, "job_configs", once)
         yield
+
+
+# `bnexp reproduce popnorm/table2 scale=quick` on the CPU, as several tests begin: its runs made
+# once (the tests that use it share an xdist group), each test working on its own copy.
+QUICK_PRESET = ["reproduce", "popnorm/table2", "scale=quick", "trainer.device=cpu"]
+
+
+@pytest.fixture(scope="session")
+def quick_preset_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sweep folder QUICK_PRESET fills (4 runs); copy it with :func:`copy_runs` before use."""
+    root = tmp_path_factory.mktemp("quick_preset") / "sweep"
+    main([*QUICK_PRESET, f"hydra.sweep.dir={root}"])
+    return root
+
+
+def copy_runs(runs: Path, to: Path) -> Path:
+    shutil.copytree(runs, to)
+    return to
 
 
 def compose_cfg(overrides: list[str]) -> DictConfig:

@@ -29,7 +29,7 @@ from bnexp.engine.identity import NEUTRAL_SINCE_ADDED, cell_name, fingerprint, r
 from bnexp.support import runlock
 from bnexp.support.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_PREEMPTED, ConfigError
 from bnexp.support.runlock import LOCK_NAME
-from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli, run_dir_of
+from tests.conftest import QUICK_PRESET, TINY, compose_cfg, copy_runs, read_metrics, read_summary, run_cli, run_dir_of
 from tests.test_resilience import CrashAt, assert_same_run, cli_command, run_inprocess, wait_for_checkpoint
 
 STEPS = ["trainer.checkpoint_every=2", "trainer.checkpoint_unit=step"]
@@ -441,9 +441,11 @@ def test_plot_of_any_sweep(lr_sweep: Path, tmp_path: Path, capsys: pytest.Captur
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
 
 
-def test_preset_table_counts_only_its_own_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    root = tmp_path / "sweep"
-    preset = ["popnorm/table2", "scale=quick", f"hydra.sweep.dir={root}", "trainer.device=cpu"]
+@pytest.mark.xdist_group("quick_preset")  # with the other users of quick_preset_runs
+def test_preset_table_counts_only_its_own_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                quick_preset_runs: Path) -> None:
+    root = copy_runs(quick_preset_runs, tmp_path / "sweep")
+    preset = [*QUICK_PRESET[1:], f"hydra.sweep.dir={root}"]
     assert run_cli(["reproduce", *preset], capsys)[0] == 0
     code, before = run_cli(["table", "popnorm/table2", "scale=quick", f"results={root}"], capsys)
     assert code == 0 and "not in this table" not in before
