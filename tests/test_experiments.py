@@ -173,8 +173,11 @@ def test_full_scale_without_gpu_stops_with_estimate(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.slow
-def test_quick_reproduce_fills_every_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    table, code = reproduce("popnorm/table2", "quick", overrides=[f"hydra.sweep.dir={tmp_path}"])
+@pytest.mark.xdist_group("quick_preset")  # with the other users of quick_preset_runs
+def test_quick_reproduce_fills_every_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          quick_preset_runs: Path) -> None:
+    sweep = copy_runs(quick_preset_runs, tmp_path / "sweep")  # its runs, made by `bnexp reproduce` once
+    table, code = reproduce("popnorm/table2", "quick", overrides=[f"hydra.sweep.dir={sweep}"])
     assert code == 0
     out = capsys.readouterr().out
     assert "4 runs" in out
