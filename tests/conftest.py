@@ -20,6 +20,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 import torch
+from _pytest.nodeid import NodeId
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -42,12 +43,27 @@ TINY = [
 ]
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``slow`` first, each module's in their order: pytest-xdist hands out tests
     in this order, so the long ones start early instead of leaving one worker busy at the end
     while the other idles. (xdist groups go first anyway: --dist loadgroup sends the units
     holding the most tests first.)"""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        for item in items:
+            name_group(item)
+
+
+def name_group(item: pytest.Item) -> None:
+    """Suffix ``@group`` to the id of a test marked ``xdist_group``, as pytest-xdist does to
+    send a group's tests to one worker. xdist 3.8 sets ``item._nodeid``, which pytest 9 no
+    longer reads: without this the groups are ignored (the SLURM tests then overlap on the
+    one-node cluster, and a module fixture is made once per worker)."""
+    names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                    for m in item.iter_markers("xdist_group")})
+    suffix = f"@{'_'.join(names)}"
+    if names and not item.nodeid.endswith(suffix):
+        item._id = NodeId.parse(item.nodeid + suffix)  # parse keeps the string as it is
 
 
 @pytest.fixture(scope="session", autouse=True)
