@@ -8,19 +8,25 @@ import os
 # started by the tests inherit the variable).
 os.environ["OMP_NUM_THREADS"] = "1"
 
+import copy
 import csv
+import functools
 import json
 import pickle
+import shutil
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
 import torch
+from _pytest.nodeid import NodeId
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from bnexp.app.compose import config_dir, register_resolvers
 from bnexp.cli import main
+from bnexp.report import presets
 
 torch.set_num_threads(1)
 
@@ -37,11 +43,78 @@ TINY = [
 ]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` first, each module's in their order: pytest-xdist hands out tests
+    in this order, so the long ones start early instead of leaving one worker busy at the end
+    while the other idles. (xdist groups go first anyway: --dist loadgroup sends the units
+    holding the most tests first.)"""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        for item in items:
+            name_group(item)
+
+
+def name_group(item: pytest.Item) -> None:
+    """Suffix ``@group`` to the id of a test marked ``xdist_group``, as pytest-xdist does to
+    send a group's tests to one worker. xdist 3.8 sets ``item._nodeid``, which pytest 9 no
+    longer reads: without this the groups are ignored (the SLURM tests then overlap on the
+    one-node cluster, and a module fixture is made once per worker)."""
+    names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                    for m in item.iter_markers("xdist_group")})
+    suffix = f"@{'_'.join(names)}"
+    if names and not item.nodeid.endswith(suffix):
+        item._id = NodeId.parse(item.nodeid + suffix)  # parse keeps the string as it is
+
+
+@pytest.fixture(scope="session", autouse=True)
+def preset_job_configs_once() -> Iterator[None]:
+    """``bnexp table``, ``plot`` and the two-stage tuning match runs to a preset by composing
+    the config of each of its jobs (CBN Table 1: 1350 of them, about 10 s); several tests ask
+    for the same preset's. Each worker process computes them once and hands out copies."""
+    real = presets.job_configs
+    memo: dict[tuple, list[dict]] = {}
+
+    def once(name: str, scale: str, jobs: list[list[str]]) -> list[dict]:
+        key = (name, scale, tuple(tuple(job) for job in jobs))
+        if key not in memo:
+            memo[key] = real(name, scale, jobs)
+        return copy.deepcopy(memo[key])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(presets, "job_configs", once)
+        yield
+
+
+# `bnexp reproduce popnorm/table2 scale=quick` on the CPU, as several tests begin: its runs made
+# once (the tests that use it share an xdist group), each test working on its own copy.
+QUICK_PRESET = ["reproduce", "popnorm/table2", "scale=quick", "trainer.device=cpu"]
+
+
+@pytest.fixture(scope="session")
+def quick_preset_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sweep folder QUICK_PRESET fills (4 runs); copy it with :func:`copy_runs` before use."""
+    root = tmp_path_factory.mktemp("quick_preset") / "sweep"
+    main([*QUICK_PRESET, f"hydra.sweep.dir={root}"])
+    return root
+
+
+def copy_runs(runs: Path, to: Path) -> Path:
+    shutil.copytree(runs, to)
+    return to
+
+
 def compose_cfg(overrides: list[str]) -> DictConfig:
-    """The config ``bnexp train`` would run with these overrides."""
+    """The config ``bnexp train`` would run with these overrides (a copy: tests may change it).
+    A Hydra compose takes 0.15-0.5 s and a third of the tests' calls repeat an earlier one, so
+    each process composes a list of overrides once: configs/ does not change during the tests."""
+    return copy.deepcopy(composed(tuple(overrides)))
+
+
+@functools.cache
+def composed(overrides: tuple[str, ...]) -> DictConfig:
     register_resolvers()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+        return compose(config_name="train", overrides=list(overrides))
 
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -29,6 +30,7 @@ from bnexp.studies.claims import (
     judge_lr,
     merged,
 )
+from bnexp.studies.claims import main as claims_main
 from tests.conftest import run_cli
 
 
@@ -154,18 +156,28 @@ def test_listing_and_bad_names(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "full, quick" in out
 
 
+@pytest.fixture(scope="module")
+def every_claim(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, int]:
+    """``bnexp claims all`` at toy size (what the command prints, and its exit code): the runs of
+    every claim, trained once for the tests that read them."""
+    out = tmp_path_factory.mktemp("claims")
+    text, code = claims_main(["all", "scale=quick", "jobs=1", f"out={out}", "format=csv", "trainer.device=cpu"])
+    return out, text, code
+
+
 @pytest.mark.slow
-def test_every_claim_runs_through_the_presets_at_toy_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out = run_cli(["claims", "all", "scale=quick", "jobs=1", f"out={tmp_path}", "format=csv",
-                         "trainer.device=cpu"], capsys)
+@pytest.mark.xdist_group("every_claim")  # in one worker: every_claim trains once
+def test_every_claim_runs_through_the_presets_at_toy_size(every_claim: tuple[Path, str, int],
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    folder, out, code = every_claim
     assert code == 0, out[-3000:]
     assert "verdicts are not evidence" in out and "not CIFAR or ImageNet numbers" in out
-    table = pd.read_csv(tmp_path / "claims.csv")
+    table = pd.read_csv(folder / "claims.csv")
     assert set(table["verdict"]) <= {HOLDS, FAILS, SHOWN, NOT_RUN} and len(table) == 3 + 1 + 8 + 6 + 1 + 1 + 1 + 2
     for claim in CLAIMS.values():  # every run of every claim trained on the real digits
-        frame = load_summaries(tmp_path / claim.name)
+        frame = load_summaries(folder / claim.name)
         assert len(frame) and set(frame["status"]) <= {"completed", "diverged"} and set(frame["data.name"]) == {"digits"}
-    code, out = run_cli(["claims", "popnorm", "scale=quick", "jobs=1", f"out={tmp_path}", "trainer.device=cpu"], capsys)
+    code, out = run_cli(["claims", "popnorm", "scale=quick", "jobs=1", f"out={folder}", "trainer.device=cpu"], capsys)
     assert code == 0 and "2 skipped" in out  # a second call reuses the finished runs
 
 
@@ -192,8 +204,10 @@ def test_ablation_judge_orders_the_final_training_losses(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
-def test_ablation_claim_runs_at_toy_size_and_gives_its_verdict_rows(tmp_path: Path,
+@pytest.mark.xdist_group("every_claim")  # in one worker: every_claim trains once
+def test_ablation_claim_runs_at_toy_size_and_gives_its_verdict_rows(tmp_path: Path, every_claim: tuple[Path, str, int],
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    shutil.copytree(every_claim[0] / "ablation", tmp_path / "ablation")  # its runs, as `claims all` trained them
     code, out = run_cli(["claims", "ablation", "scale=quick", "jobs=1", f"out={tmp_path}", "format=csv",
                          "trainer.device=cpu"], capsys)
     assert code == 0, out[-3000:]

@@ -50,6 +50,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ddp_replicas")  # in one worker: the module's run of two processes is made once
 @pytest.mark.parametrize("norm", ["bn", "cbn", "popnorm", "bnp", "bnp_gn"])
 def test_replicas_bit_identical_after_20_steps(replicas: Path, norm: str) -> None:
     a = torch.load(replicas / f"{norm}.rank0.pt")
@@ -86,6 +87,7 @@ def synced(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ddp_synced")  # in one worker: the module's run of two processes is made once
 @pytest.mark.parametrize("norm", SYNCED)
 def test_synced_two_processes_match_one(synced: Path, tmp_path: Path, norm: str) -> None:
     single = train(compose_cfg([*SYNC, *SYNCED[norm]]), tmp_path / "one")
@@ -212,6 +214,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ddp_uninterrupted")  # in one worker: `uninterrupted` runs once
 def test_readme_command_runs_in_the_default_run_directory(uninterrupted: Path) -> None:
     """The directory's name holds '=' and ',', which the ranks once parsed as overrides."""
     assert "=" in uninterrupted.name and "," in uninterrupted.name
@@ -233,6 +236,7 @@ def test_run_directory_reaches_the_ranks_whatever_its_name(tmp_path: Path, monke
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ddp_uninterrupted")  # in one worker: `uninterrupted` runs once
 def test_sigterm_then_rerun_resumes_bit_identically(uninterrupted: Path, tmp_path: Path) -> None:
     """metrics.csv's row spanning the restart too: each process checkpoints its own train sums."""
     run_dir = default_run_dir(tmp_path)
@@ -282,6 +286,7 @@ def test_failed_ranks_end_without_torchrun_traceback(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ddp_uninterrupted")  # in one worker: `uninterrupted` runs once
 def test_sigkill_of_the_launcher_ends_every_process_of_the_run(uninterrupted: Path, tmp_path: Path) -> None:
     """No rank or torchrun agent outlives a SIGKILLed launcher; the same command run at once
     waits for them, then resumes: one writer at a time, the result bit-identical."""

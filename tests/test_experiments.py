@@ -16,7 +16,7 @@ from bnexp.report.presets import count, job_configs, load_preset, preset_names
 from bnexp.report.reproduce import reproduce, stage_one, stage_two
 from bnexp.report.selection import combos
 from bnexp.report.table import paper_value
-from tests.conftest import TINY, compose_cfg, read_summary, run_cli
+from tests.conftest import QUICK_PRESET, TINY, compose_cfg, copy_runs, read_summary, run_cli
 
 # (3 untuned rows + 4 tuned rows x 6 rho) x 5 activations x 10 seeds
 CBN_ABLATION = (3 + 4 * 6) * 5 * 10
@@ -174,8 +174,11 @@ def test_full_scale_without_gpu_stops_with_estimate(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.slow
-def test_quick_reproduce_fills_every_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    table, code = reproduce("popnorm/table2", "quick", overrides=[f"hydra.sweep.dir={tmp_path}"])
+@pytest.mark.xdist_group("quick_preset")  # with the other users of quick_preset_runs
+def test_quick_reproduce_fills_every_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          quick_preset_runs: Path) -> None:
+    sweep = copy_runs(quick_preset_runs, tmp_path / "sweep")  # its runs, made by `bnexp reproduce` once
+    table, code = reproduce("popnorm/table2", "quick", overrides=[f"hydra.sweep.dir={sweep}"])
     assert code == 0
     out = capsys.readouterr().out
     assert "4 runs" in out
@@ -187,15 +190,18 @@ def test_quick_reproduce_fills_every_cell(tmp_path: Path, capsys: pytest.Capture
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["popnorm/table2", "bnp/hessian"])
+@pytest.mark.parametrize("preset", [pytest.param("popnorm/table2", marks=pytest.mark.xdist_group("quick_preset")),
+                                    "bnp/hessian"])
 def test_same_runs_and_tables_as_before_the_presets_described_their_tables(
-        preset: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        preset: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest) -> None:
     """tests/data/behaviour_before_refactor.json holds the run directories and the rendered
     table of two presets at quick scale, made before presets carried their own sweeps and
     report blocks: the same commands make the same runs and print the same tables (the
     measured numbers masked: their last digits follow the machine's float arithmetic)."""
     before = json.loads((Path(__file__).parent / "data" / "behaviour_before_refactor.json").read_text())[preset]
     root = tmp_path / "sweep"
+    if preset == QUICK_PRESET[1]:  # its runs made once (the same command): the command finds them complete
+        copy_runs(request.getfixturevalue("quick_preset_runs"), root)
     code, out = run_cli(["reproduce", preset, "scale=quick", f"hydra.sweep.dir={root}", "trainer.device=cpu"], capsys)
     assert code == 0, out
     code, table = run_cli(["table", preset, "scale=quick", f"results={root}"], capsys)

@@ -29,7 +29,7 @@ from bnexp.engine.identity import NEUTRAL_SINCE_ADDED, cell_name, fingerprint, r
 from bnexp.support import runlock
 from bnexp.support.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_PREEMPTED, ConfigError
 from bnexp.support.runlock import LOCK_NAME
-from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli, run_dir_of
+from tests.conftest import QUICK_PRESET, TINY, compose_cfg, copy_runs, read_metrics, read_summary, run_cli, run_dir_of
 from tests.test_resilience import CrashAt, assert_same_run, cli_command, run_inprocess, wait_for_checkpoint
 
 STEPS = ["trainer.checkpoint_every=2", "trainer.checkpoint_unit=step"]
@@ -418,6 +418,7 @@ def lr_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.mark.xdist_group("lr_sweep")  # in one worker: the sweep is made once
 def test_table_of_any_sweep(lr_sweep: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out = run_cli(["table", str(lr_sweep), "rows=act", "cols=optim.lr"], capsys)
     assert code == 0, out
@@ -432,6 +433,7 @@ def test_table_of_any_sweep(lr_sweep: Path, capsys: pytest.CaptureFixture[str]) 
     assert code == EXIT_CONFIG and "unknown key 'actt' for rows/cols: the overrides that vary here are act, optim.lr" in out
 
 
+@pytest.mark.xdist_group("lr_sweep")  # in one worker: the sweep is made once
 def test_plot_of_any_sweep(lr_sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out = run_cli(["plot", str(lr_sweep), f"out={tmp_path}"], capsys)
     assert code == 0, out
@@ -439,9 +441,11 @@ def test_plot_of_any_sweep(lr_sweep: Path, tmp_path: Path, capsys: pytest.Captur
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
 
 
-def test_preset_table_counts_only_its_own_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    root = tmp_path / "sweep"
-    preset = ["popnorm/table2", "scale=quick", f"hydra.sweep.dir={root}", "trainer.device=cpu"]
+@pytest.mark.xdist_group("quick_preset")  # with the other users of quick_preset_runs
+def test_preset_table_counts_only_its_own_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                quick_preset_runs: Path) -> None:
+    root = copy_runs(quick_preset_runs, tmp_path / "sweep")
+    preset = [*QUICK_PRESET[1:], f"hydra.sweep.dir={root}"]
     assert run_cli(["reproduce", *preset], capsys)[0] == 0
     code, before = run_cli(["table", "popnorm/table2", "scale=quick", f"results={root}"], capsys)
     assert code == 0 and "not in this table" not in before

@@ -30,7 +30,7 @@ from bnexp.nn import BNP, NormFamily
 from bnexp.nn.packed import PackedLinear
 from bnexp.support.errors import EXIT_PREEMPTED
 from bnexp.support.runinfo import seed_everything
-from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli
+from tests.conftest import QUICK_PRESET, TINY, compose_cfg, copy_runs, read_metrics, read_summary, run_cli
 from tests.test_resilience import assert_same_run, cli_command, wait_for_checkpoint
 
 CPU = torch.device("cpu")
@@ -505,17 +505,18 @@ def test_reproduce_packs_on_a_gpu_unless_told_otherwise(monkeypatch) -> None:
 
 
 @pytest.mark.slow
-def test_reproduce_with_packs_makes_the_same_runs_and_table(tmp_path: Path, capsys) -> None:
+@pytest.mark.xdist_group("quick_preset")  # with the other users of quick_preset_runs
+def test_reproduce_with_packs_makes_the_same_runs_and_table(tmp_path: Path, capsys, quick_preset_runs: Path) -> None:
     """A preset reproduced with its seeds packed has the same run directories and the same
     table (numbers masked: packed kernels round differently) as one run at a time, and
     ``bnexp table`` reads the packed runs like any others."""
     from tests.test_experiments import masked
 
     tables = {}
+    copy_runs(quick_preset_runs, tmp_path / "basic")  # one run at a time: made by the same command
     for launcher in ("basic", "pack"):
         root = tmp_path / launcher
-        code, out = run_cli(["reproduce", "popnorm/table2", "scale=quick", f"hydra.sweep.dir={root}",
-                             "trainer.device=cpu", f"hydra/launcher={launcher}"], capsys)
+        code, out = run_cli([*QUICK_PRESET, f"hydra.sweep.dir={root}", f"hydra/launcher={launcher}"], capsys)
         assert code == 0, out
         code, tables[launcher] = run_cli(["table", "popnorm/table2", "scale=quick", f"results={root}"], capsys)
         assert code == 0

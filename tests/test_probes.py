@@ -160,6 +160,7 @@ def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: root / name for name in SETUPS}
 
 
+@pytest.mark.xdist_group("probe_baselines")  # in one worker: the baselines train once
 @pytest.mark.parametrize(("probe", "setup"), CASES)
 def test_probe_leaves_training_unchanged(probe: str, setup: str, baselines: dict[str, Path], tmp_path: Path) -> None:
     every = [f"probe.{probe}.every=2"] + ([f"probe.{probe}.k=3"] if probe in ("grad_var", "loss") else [])
