@@ -7,6 +7,8 @@ normalizations (BN, the CBN/POP-Norm family with AMAT, batch renorm, bn_si, BN w
 things, whose channel groups keep their size and so stay inside one run) simply have K
 times the channels. Group and layer normalization get K times the groups. Nothing mixes
 two runs' values, so run ``k`` of a pack computes what the same model alone computes.
+A module of a new norm or model that none of these rules fits packs itself: it defines
+``packed(runs) -> nn.Module`` (as :class:`bnexp.models.resnet_cifar.OptionAShortcut` does).
 
 Every tensor of a packed model's state (parameters, buffers, momentum, BNP's statistics)
 is the runs' tensors concatenated along dim 0, except 0-d counters, which the runs share:
@@ -24,7 +26,6 @@ from torch import Tensor, nn
 from torchvision.ops import StochasticDepth
 
 from bnexp.models.layers import NormOp
-from bnexp.models.resnet_cifar import OptionAShortcut
 from bnexp.nn._base import ChannelNorm
 from bnexp.nn.packed import PackedLinear
 from bnexp.support.errors import ConfigError
@@ -83,6 +84,8 @@ def _widen_channels(norm: nn.Module, runs: int) -> nn.Module:
 
 def _packed_module(name: str, module: nn.Module, runs: int) -> nn.Module:
     """The packed counterpart of one module, or a ConfigError naming what cannot be packed."""
+    if hasattr(module, "packed"):  # a module that knows its packed form (the protocol new modules use)
+        return module.packed(runs)
     if isinstance(module, nn.Conv2d):
         return _packed_conv(module, runs)
     if isinstance(module, nn.Linear):
@@ -96,9 +99,6 @@ def _packed_module(name: str, module: nn.Module, runs: int) -> nn.Module:
                             device=module.weight.device, dtype=module.weight.dtype)
     if isinstance(module, (ChannelNorm, nn.modules.batchnorm._BatchNorm)):
         return _widen_channels(module, runs)
-    if isinstance(module, OptionAShortcut):
-        module.runs = runs
-        return module
     if isinstance(module, (nn.Dropout, StochasticDepth)):
         if module.p == 0:
             return module

@@ -31,6 +31,11 @@ class OptionAShortcut(nn.Module):
         self.pad = cout - cin
         self.runs = 1
 
+    def packed(self, runs: int) -> OptionAShortcut:
+        """Itself, padding each of ``runs`` blocks of channels (the packing protocol)."""
+        self.runs = runs
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x[:, :, :: self.stride, :: self.stride]
         x = x.unflatten(1, (self.runs, -1))  # (N, runs, C, H, W): the padding below is on C
