@@ -24,7 +24,7 @@ from _pytest.nodeid import NodeId
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from bnexp.app.compose import config_dir, register_resolvers
+from bnexp.app.compose import config_dir, prepare_config_tree
 from bnexp.cli import main
 from bnexp.report import presets
 
@@ -112,7 +112,7 @@ def compose_cfg(overrides: list[str]) -> DictConfig:
 
 @functools.cache
 def composed(overrides: tuple[str, ...]) -> DictConfig:
-    register_resolvers()
+    prepare_config_tree()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return compose(config_name="train", overrides=list(overrides))
 

@@ -18,7 +18,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from bnexp.app.compose import config_dir, register_resolvers
+from bnexp.app.compose import config_dir, prepare_config_tree
 from bnexp.app.torchrun import RUN_DIR_ENV, torchrun_command
 from bnexp.engine.identity import run_name
 from bnexp.engine.trainer import train
@@ -229,7 +229,7 @@ def test_run_directory_reaches_the_ranks_whatever_its_name(tmp_path: Path, monke
     name = tmp_path / "results" / "runs" / "act=relu,norm=bn 'q\" [1]:{2} $HOME \\"
     override = torchrun_command(2, ["norm=bn"])[-1]
     monkeypatch.setenv(RUN_DIR_ENV, str(name))
-    register_resolvers()
+    prepare_config_tree()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[override], return_hydra_config=True)
     assert OmegaConf.select(cfg, "hydra.run.dir") == str(name)

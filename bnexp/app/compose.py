@@ -31,7 +31,7 @@ def config_dir() -> Path:
 @contextmanager
 def hydra_session() -> Iterator[None]:
     """A Hydra context on bnexp's config tree (outside any running Hydra app), for ``compose``."""
-    register_resolvers()
+    prepare_config_tree()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         yield
 
@@ -47,7 +47,7 @@ def is_group(o: Override) -> bool:
     return key.startswith("hydra/") or ("." not in key and (config_dir() / key).is_dir())
 
 
-def register_resolvers() -> None:
+def prepare_config_tree() -> None:
     """What composing bnexp's config tree needs besides the tree: the OmegaConf resolvers it
     uses (``${run_name:...}``, ``${cell_name:...}``, ``${sweep_name:...}``, ``${bnp_lr:...}``)
     and the search-path plugin that adds the ``BNEXP_PLUGINS`` config folders (registered by

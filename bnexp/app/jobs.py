@@ -25,7 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from bnexp.app.compose import register_resolvers
+from bnexp.app.compose import prepare_config_tree
 from bnexp.app.sweep import job_status, record, skip_reason, spread_over_gpus
 from bnexp.app.torchrun import check_gpus, follow_launcher, run_under_torchrun
 from bnexp.engine.config import meaningless, validate
@@ -106,7 +106,7 @@ def train_job(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    register_resolvers()  # a launcher's worker process starts without them
+    prepare_config_tree()  # a launcher's worker process starts without them
     console_log_only_off_rank_0()
     pack = cfg.trainer.get("pack", 1)
     if isinstance(pack, int) and pack > 1:  # validate() names any other value than an integer >= 1

@@ -12,7 +12,7 @@ import hydra
 from hydra.core.plugins import Plugins
 
 from bnexp.app.cmdline import DRY_RUN, check_command_line
-from bnexp.app.compose import config_dir, register_resolvers
+from bnexp.app.compose import config_dir, prepare_config_tree
 from bnexp.app.jobs import train_job
 from bnexp.app.sweep import print_sweep_report
 from bnexp.app.torchrun import rank_overrides
@@ -56,7 +56,7 @@ def search_sweeper(args: Sequence[str]) -> list[str]:
 def train_command(args: list[str]) -> None:
     """``bnexp train``: check the command line, then hand it to Hydra. ``--dry-run`` (with
     ``-m``) lists a sweep's jobs and run directories without running them."""
-    register_resolvers()
+    prepare_config_tree()
     register_plugins()
     multirun_flags = [a for a in args if a in ("-m", "--multirun")]
     args = multirun_flags + [a for a in args if a not in multirun_flags]  # `train a=1 -m b=2,3` works too

@@ -26,7 +26,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
-from bnexp.app.compose import config_dir, register_resolvers
+from bnexp.app.compose import config_dir, prepare_config_tree
 from bnexp.support.errors import ConfigError
 from bnexp.support.options import split_options
 from bnexp.support.runinfo import atomic_write, resolve_device
@@ -81,7 +81,7 @@ def norm_presets() -> list[str]:
 
 def compose_train(overrides: Sequence[str]) -> DictConfig:
     """The config ``bnexp train`` would run with these overrides."""
-    register_resolvers()
+    prepare_config_tree()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         try:
             return compose("train", list(overrides))

@@ -94,14 +94,10 @@ def import_plugins(names: Sequence[str]) -> None:
 
 
 def plugin_config_dirs() -> list[Path]:
-    """The ``configs/`` folders beside the ``BNEXP_PLUGINS`` modules (a package's folder, or
-    a module file's), which bnexp's config search path adds after its own."""
+    """The ``configs/`` folders inside the ``BNEXP_PLUGINS`` packages, which bnexp's config
+    search path adds after its own (a plain module has none: the folder beside a module
+    file, site-packages say, is not the plugin's)."""
     names = plugin_names()
     import_plugins(names)
-    dirs = []
-    for name in names:
-        module = importlib.import_module(name)
-        where = Path(module.__file__).parent if module.__file__ else Path(next(iter(module.__path__)))
-        if (where / "configs").is_dir():
-            dirs.append(where / "configs")
-    return dirs
+    folders = [Path(p) / "configs" for name in names for p in getattr(importlib.import_module(name), "__path__", [])]
+    return [f for f in folders if f.is_dir()]

@@ -1,6 +1,6 @@
 """The config folders of ``BNEXP_PLUGINS`` on Hydra's search path, after bnexp's own.
 
-A plugin module (or package) with a ``configs/`` folder beside it adds its presets to the
+A plugin package with a ``configs/`` folder inside it adds its presets to the
 groups of ``configs/`` (``configs/norm/<name>.yaml`` makes ``norm=<name>``), so a method
 kept outside bnexp is its module and its config file (docs/architecture.md).
 """
