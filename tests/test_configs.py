@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
-from omegaconf import OmegaConf
+from pathlib import Path
 
-from bnexp.app.compose import config_dir
+import pytest
+from hydra import compose
+from hydra._internal.core_plugins.file_config_source import FileConfigSource
+from hydra.plugins.config_source import ConfigLoadError
+from omegaconf import DictConfig, OmegaConf
+
+from bnexp.app.compose import config_dir, hydra_session
 from bnexp.engine.config import validate
+from hydra_plugins.bnexp_searchpath import ParsedOnceConfigSource
 from tests.conftest import compose_cfg
 
 GROUPS = ["model", "norm", "act", "data", "optim", "schedule", "trainer"]
@@ -40,3 +46,28 @@ def test_defaults_are_cbn_cifar_protocol() -> None:
     assert cfg.data.sampling == "with_replacement" and cfg.data.augment and cfg.data.padding == 4
     assert (cfg.optim.lr, cfg.optim.momentum, cfg.optim.weight_decay) == (0.1, 0.9, 5e-4)
     assert list(cfg.schedule.milestones) == [60, 100] and cfg.schedule.gamma == 0.1
+
+
+def test_config_files_are_parsed_once_and_each_caller_gets_its_own_copy(tmp_path: Path) -> None:
+    """bnexp's config folders are read through ParsedOnceConfigSource: the same result as
+    Hydra's file source, a fresh copy per load (Hydra edits what it loads), and a file read
+    again once it changes."""
+    (tmp_path / "norm").mkdir()
+    (tmp_path / "norm" / "x.yaml").write_text("# @package _global_\nnorm:\n  name: x\n  eps: 0.001\n")
+    ours, hydras = ParsedOnceConfigSource("t", str(tmp_path)), FileConfigSource("t", str(tmp_path))
+    first = ours.load_config("norm/x")
+    assert first.config == hydras.load_config("norm/x").config and first.header == {"package": "_global_"}
+    first.config.norm.eps = 5.0
+    second = ours.load_config("norm/x")
+    assert second.config.norm.eps == 0.001 and second.config is not first.config
+    (tmp_path / "norm" / "x.yaml").write_text("norm:\n  name: x\n  eps: 0.1\n")
+    assert ours.load_config("norm/x").config.norm.eps == 0.1
+    with pytest.raises(ConfigLoadError):
+        ours.load_config("norm/missing")
+    sources = compose_cfg_with_hydra().hydra.runtime.config_sources
+    assert [(s.provider, s.schema) for s in sources if s.path == str(config_dir())] == [("main", "bnexp-file")]
+
+
+def compose_cfg_with_hydra() -> DictConfig:
+    with hydra_session():
+        return compose("train", [], return_hydra_config=True)

@@ -9,7 +9,8 @@ from typing import Callable
 
 import pytest
 
-from bnexp.app.sweep import skip_reason
+from bnexp.app.compose import hydra_session, parser
+from bnexp.app.sweep import shape_representatives, skip_reason
 from bnexp.reference import published
 from bnexp.report.layouts import same
 from bnexp.report.presets import count, job_configs, load_preset, preset_names
@@ -84,6 +85,20 @@ def test_command_line_values_choose_among_the_sweeps() -> None:
     more = load_preset("cbn/table1", overrides=["trainer.seed=9,10"]).jobs  # 10 is beyond the preset's range
     assert {o for job in more for o in job if o.startswith("trainer.seed")} == {"trainer.seed=9", "trainer.seed=10"}
     assert all("data.root=/d" in job for job in load_preset("cbn/table1", overrides=["data.root=/d"]).jobs)
+
+
+def test_a_sweep_checks_one_job_per_shape_before_it_starts() -> None:
+    """Before launching, the sweeper composes the first job of each combination of group
+    choices and keys: for CBN's Table 1 one per (row, activation), not one per seed and rho."""
+    jobs = load_preset("cbn/table1").jobs
+    with hydra_session():
+        chosen = shape_representatives(jobs, parser())
+
+    def groups(job: list[str]) -> tuple[str, ...]:
+        return tuple(o for o in job if o.split("=")[0] in ("act", "cbn_row"))
+
+    assert len(chosen) == 7 * 5 and {groups(j) for j in chosen} == {groups(j) for j in jobs}
+    assert [j for j in jobs if j in chosen] == chosen  # the first of each, in order
 
 
 def test_quick_scale_keeps_the_layout_with_two_seeds() -> None:

@@ -83,6 +83,17 @@ def test_bad_value_in_a_sweep_stops_it_before_anything_is_written(tmp_path: Path
     assert_refused_before_writing(code, out, expected, tmp_path)
 
 
+def test_bad_group_option_in_a_preset_sweep_stops_it_before_its_first_cell(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A sweep written in a config (here given as hydra.sweeper.sweeps) is checked by the
+    sweeper, one job per combination of group options: act=nope stops it before act=relu runs."""
+    monkeypatch.chdir(tmp_path)
+    code, out = run_cli(["train", "-m", *TINY, "hydra.sweeper.sweeps=[{act: 'relu,nope'}]"], capsys)
+    assert code != 0 and "Could not find 'act/nope'" in out and "2 not run" in out, out
+    assert not [p for p in tmp_path.rglob("*") if p.name in ("summary.json", "metrics.csv", "checkpoint.pt")]
+
+
 # Fingerprints computed by bnexp before the schema existed (commit de8aea6): checking values
 # must not change the config a run trains with. Three were recomputed after issue 25's review
 # changed those configs on purpose (BN warmup cell of bnp/resnet110, TF defaults of bnp/cnn5,

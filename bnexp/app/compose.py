@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from bnexp.engine.identity import cell_name, run_name
 from bnexp.reference import bnp_lr
-from hydra_plugins.bnexp_searchpath import BnexpPluginConfigs
+from hydra_plugins.bnexp_searchpath import BnexpPluginConfigs, ParsedOnceConfigSource
 
 
 def config_dir() -> Path:
@@ -49,9 +49,11 @@ def is_group(o: Override) -> bool:
 
 def prepare_config_tree() -> None:
     """What composing bnexp's config tree needs besides the tree: the OmegaConf resolvers it
-    uses (``${run_name:...}``, ``${cell_name:...}``, ``${sweep_name:...}``, ``${bnp_lr:...}``)
-    and the search-path plugin that adds the ``BNEXP_PLUGINS`` config folders (registered by
-    hand: an editable install hides ``hydra_plugins`` from Hydra's own scan)."""
+    uses (``${run_name:...}``, ``${cell_name:...}``, ``${sweep_name:...}``, ``${bnp_lr:...}``),
+    the config source that parses each file once and the search-path plugin that reads bnexp's
+    folders with it and adds the ``BNEXP_PLUGINS`` ones (registered by hand: an editable
+    install hides ``hydra_plugins`` from Hydra's own scan)."""
+    Plugins.instance().register(ParsedOnceConfigSource)
     Plugins.instance().register(BnexpPluginConfigs)
     for name, resolver in (("run_name", run_name), ("cell_name", cell_name), ("bnp_lr", bnp_lr)):
         if not OmegaConf.has_resolver(name):

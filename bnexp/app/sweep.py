@@ -28,6 +28,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from bnexp.app.compose import is_group
 from bnexp.data.files import identity_problem
 from bnexp.engine.checkpoint import FINAL, read_config, resume_candidates, verified_bytes
 from bnexp.engine.config import lr_not_applicable
@@ -111,6 +112,17 @@ def expand(sweeps: Sequence[Sweep], params: Optional[Sweep], arguments: Sequence
     expanded; the union, a job that several sweeps make only once, in order."""
     given = parse_values([*sweep_lines(params), *arguments], parser)
     return union(select([parse_values(sweep_lines(s), parser) for s in sweeps or [{}]], given))
+
+
+def shape_representatives(jobs: Sequence[Job], parser: OverridesParser) -> list[Job]:
+    """The first job of each shape: jobs that choose the same config group options and set the
+    same keys compose to configs with the same structure, so composing one of them checks the
+    others' structure (their values are checked on the command line, or are a preset's own)."""
+    chosen: dict[tuple[str, ...], Job] = {}
+    for job in jobs:
+        shape = tuple(o.input_line if is_group(o) else o.get_key_element() for o in parser.parse_overrides(job))
+        chosen.setdefault(shape, job)
+    return list(chosen.values())
 
 
 def union(sweeps: Sequence[Values]) -> list[Job]:
