@@ -48,20 +48,27 @@ def test_defaults_are_cbn_cifar_protocol() -> None:
     assert list(cfg.schedule.milestones) == [60, 100] and cfg.schedule.gamma == 0.1
 
 
-def test_config_files_are_parsed_once_and_each_caller_gets_its_own_copy(tmp_path: Path) -> None:
+def test_config_files_are_parsed_once_and_each_caller_gets_its_own_copy(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """bnexp's config folders are read through ParsedOnceConfigSource: the same result as
-    Hydra's file source, a fresh copy per load (Hydra edits what it loads), and a file read
-    again once it changes."""
+    Hydra's file source, parsed once per content, a fresh copy per load (Hydra edits what it
+    loads), and a file parsed again once its content changes, even at the same size."""
     (tmp_path / "norm").mkdir()
-    (tmp_path / "norm" / "x.yaml").write_text("# @package _global_\nnorm:\n  name: x\n  eps: 0.001\n")
+    config = tmp_path / "norm" / "x.yaml"
+    config.write_text("# @package _global_\nnorm:\n  name: x\n  eps: 0.001\n")
     ours, hydras = ParsedOnceConfigSource("t", str(tmp_path)), FileConfigSource("t", str(tmp_path))
+    expected = hydras.load_config("norm/x")
+    parses = []
+    parse = FileConfigSource.load_config
+    monkeypatch.setattr(FileConfigSource, "load_config", lambda self, path: parses.append(path) or parse(self, path))
     first = ours.load_config("norm/x")
-    assert first.config == hydras.load_config("norm/x").config and first.header == {"package": "_global_"}
+    assert first.config == expected.config and first.header == expected.header == {"package": "_global_"}
     first.config.norm.eps = 5.0
     second = ours.load_config("norm/x")
-    assert second.config.norm.eps == 0.001 and second.config is not first.config
-    (tmp_path / "norm" / "x.yaml").write_text("norm:\n  name: x\n  eps: 0.1\n")
-    assert ours.load_config("norm/x").config.norm.eps == 0.1
+    assert second.config.norm.eps == 0.001 and second.config is not first.config and parses == ["norm/x"]
+    config.write_text("# @package _global_\nnorm:\n  name: x\n  eps: 0.002\n")  # the same size
+    assert ours.load_config("norm/x").config.norm.eps == 0.002 and parses == ["norm/x", "norm/x"]
+    assert (second.provider, second.path) == ("t", f"bnexp-file://{tmp_path}")
     with pytest.raises(ConfigLoadError):
         ours.load_config("norm/missing")
     sources = compose_cfg_with_hydra().hydra.runtime.config_sources

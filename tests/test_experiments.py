@@ -9,7 +9,7 @@ from typing import Callable
 
 import pytest
 
-from bnexp.app.compose import hydra_session, parser
+from bnexp.app.compose import hydra_session, is_group, parser
 from bnexp.app.sweep import shape_representatives, skip_reason
 from bnexp.reference import published
 from bnexp.report.layouts import same
@@ -99,6 +99,32 @@ def test_a_sweep_checks_one_job_per_shape_before_it_starts() -> None:
 
     assert len(chosen) == 7 * 5 and {groups(j) for j in chosen} == {groups(j) for j in jobs}
     assert [j for j in jobs if j in chosen] == chosen  # the first of each, in order
+
+
+def test_jobs_share_a_shape_only_when_they_compose_alike() -> None:
+    """Values of one kind for a plain key share a shape; a deletion, an addition or a hydra.
+    key is checked for each value (Hydra compares it with what is there, or types it), and a
+    list, a null or a string for a key is another shape than a number."""
+    jobs = [["optim.lr=0.1"], ["optim.lr=0.2"], ["optim.lr=[1]"], ["optim.lr=null"], ["optim.lr=abc"],
+            ["~optim.lr=0.1"], ["~optim.lr=0.2"], ["+tags.x=1"], ["+tags.x=2"],
+            ["hydra.job.chdir=true"], ["hydra.job.chdir=1"], ["act=relu", "optim.lr=0.3"], ["act=tanh", "optim.lr=0.3"],
+            ["act=tanh", "optim.lr=0.4"]]
+    with hydra_session():
+        chosen = shape_representatives(jobs, parser())
+    assert chosen == [j for j in jobs if j not in (["optim.lr=0.2"], ["act=tanh", "optim.lr=0.4"])]
+
+
+def test_a_plugin_s_own_config_group_is_a_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group that only a BNEXP_PLUGINS package has (its configs/extra/) is a group choice for
+    the command line's check, the sweeper and the presets' job configs, not a key."""
+    (tmp_path / "toy_groups" / "configs" / "extra").mkdir(parents=True)
+    (tmp_path / "toy_groups" / "__init__.py").write_text("")
+    (tmp_path / "toy_groups" / "configs" / "extra" / "a.yaml").write_text("x: 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("BNEXP_PLUGINS", "toy_groups")
+    with hydra_session():
+        parsed = parser().parse_overrides(["+extra=a", "norm=bn", "extra.x=2", "trainer.seed=1"])
+    assert [is_group(o) for o in parsed] == [True, True, False, False]
 
 
 def test_quick_scale_keeps_the_layout_with_two_seeds() -> None:

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from bnexp.engine.identity import cell_name, run_name
 from bnexp.reference import bnp_lr
+from bnexp.support.registry import plugin_config_dirs
 from hydra_plugins.bnexp_searchpath import BnexpPluginConfigs, ParsedOnceConfigSource
 
 
@@ -42,9 +43,11 @@ def parser() -> OverridesParser:
 
 
 def is_group(o: Override) -> bool:
-    """Whether an override chooses a config group option (``norm=cbn``, ``hydra/launcher=joblib``)."""
+    """Whether an override chooses a config group option (``norm=cbn``, ``hydra/launcher=joblib``),
+    of bnexp's config tree or of a ``BNEXP_PLUGINS`` one."""
     key = o.key_or_group
-    return key.startswith("hydra/") or ("." not in key and (config_dir() / key).is_dir())
+    return key.startswith("hydra/") or ("." not in key and any((d / key).is_dir()
+                                                               for d in (config_dir(), *plugin_config_dirs())))
 
 
 def prepare_config_tree() -> None:

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
@@ -114,14 +115,30 @@ def expand(sweeps: Sequence[Sweep], params: Optional[Sweep], arguments: Sequence
     return union(select([parse_values(sweep_lines(s), parser) for s in sweeps or [{}]], given))
 
 
+def value_kind(value: Any) -> Any:
+    """What of a value decides where it can go in a config: a mapping's keys (and their
+    values' kinds), else its type (``0.1`` and ``0.2`` alike, ``0.1``, ``[1]`` and ``null`` not)."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), value_kind(v)) for k, v in value.items()))
+    return type(value).__name__
+
+
+def shape(o: Override) -> Any:
+    """What of an override decides whether a config composes with it: all of a group choice,
+    a deletion or an addition (Hydra checks its value against what is there) or a ``hydra.``
+    key (typed by Hydra's schema); for any other key, the key and its value's kind."""
+    if is_group(o) or o.is_delete() or o.is_add() or o.is_force_add() or o.key_or_group.startswith("hydra."):
+        return o.input_line
+    return o.key_or_group, value_kind(o.value())
+
+
 def shape_representatives(jobs: Sequence[Job], parser: OverridesParser) -> list[Job]:
-    """The first job of each shape: jobs that choose the same config group options and set the
-    same keys compose to configs with the same structure, so composing one of them checks the
-    others' structure (their values are checked on the command line, or are a preset's own)."""
-    chosen: dict[tuple[str, ...], Job] = {}
+    """The first job of each shape (:func:`shape` of each override): jobs of one shape compose
+    alike, so composing one of them checks whether the others compose. Their values are
+    checked as each run starts."""
+    chosen: dict[tuple[Any, ...], Job] = {}
     for job in jobs:
-        shape = tuple(o.input_line if is_group(o) else o.get_key_element() for o in parser.parse_overrides(job))
-        chosen.setdefault(shape, job)
+        chosen.setdefault(tuple(shape(o) for o in parser.parse_overrides(job)), job)
     return list(chosen.values())
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 from hydra._internal.core_plugins.file_config_source import FileConfigSource
 from hydra.core.config_search_path import ConfigSearchPath
@@ -22,13 +23,14 @@ SCHEME = "bnexp-file"
 
 
 class ParsedOnceConfigSource(FileConfigSource):
-    """A config folder whose YAML files are parsed once per process (and again when a file
-    changes). Hydra parses every file a compose uses again at each compose: a third of the
-    time of one, and a ``bnexp train`` composes at least three times (the command line's
-    check, Hydra's mode and run), a sweep once more per job. Each caller gets its own copy,
-    since Hydra edits what it loads."""
+    """A config folder whose YAML files are parsed once per process for each content they
+    have. Hydra parses every file a compose uses again at each compose: a third of the time
+    of one, and a ``bnexp train`` composes at least three times (the command line's check,
+    Hydra's mode and run), a sweep once more per job. Reading a file is cheap, so it is read
+    each time and its bytes pick the parsed config; each caller gets its own copy, since
+    Hydra edits what it loads."""
 
-    _parsed: dict[tuple[str, int, int], ConfigResult] = {}
+    _parsed: dict[tuple[str, bytes], ConfigResult] = {}
 
     @staticmethod
     def scheme() -> str:
@@ -37,15 +39,16 @@ class ParsedOnceConfigSource(FileConfigSource):
     def load_config(self, config_path: str) -> ConfigResult:
         full_path = os.path.realpath(os.path.join(self.path, self._normalize_file_name(config_path)))
         try:
-            stat = os.stat(full_path)
+            key = (full_path, Path(full_path).read_bytes())
         except OSError:
             return super().load_config(config_path)  # Hydra's own "Config not found"
-        key = (full_path, stat.st_mtime_ns, stat.st_size)
         if key not in self._parsed:
-            self._parsed[key] = super().load_config(config_path)
-        done = self._parsed[key]
-        return ConfigResult(provider=done.provider, path=done.path, config=copy.deepcopy(done.config),
-                            header=dict(done.header))
+            result = super().load_config(config_path)
+            if Path(full_path).read_bytes() != key[1]:  # changed while it was parsed
+                return result
+            self._parsed[key] = result
+        return ConfigResult(provider=self.provider, path=f"{self.scheme()}://{self.path}",
+                            config=copy.deepcopy(self._parsed[key].config), header=dict(self._parsed[key].header))
 
 
 def parsed_once(path: str) -> str:

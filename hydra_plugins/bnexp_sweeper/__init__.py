@@ -56,7 +56,7 @@ class BnexpSweeper(Sweeper):
         for start in range(0, len(jobs), size):
             batch = jobs[start : start + size]
             # Hydra's check composes every job, which the launcher does again; one job per
-            # shape finds the same errors (CBN's Table 1: 35 composes instead of 1,350).
+            # shape finds whether each composes (CBN's Table 1: 35 composes instead of 1,350).
             self.validate_batch_is_legal(shape_representatives(batch, parser))
             results = self.launcher.launch(batch, initial_job_idx=start)
             for result in results:
