@@ -3,6 +3,9 @@
 Run on the tree before a refactor of the engine; ``tests/test_engine_recorded.py`` reruns the
 same cases and compares every metric row, the summary and the checkpoint's keys bit for bit.
 It also keeps one checkpoint per case written before the refactor, which the test resumes.
+float32 results depend on the CPU's kernels: the test replays the cases under the kernels the
+recording was made with (AVX2, ``RECORDING_KERNELS`` there); a new recording made elsewhere
+must say which kernels it used.
 Usage: python scripts/record_engine_behaviour.py tests/data/engine_before_issue26
 """
 

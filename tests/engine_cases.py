@@ -3,12 +3,18 @@ the engine wrote before issue 26's refactor (``tests/data/engine_before_issue26/
 
 Each case is a list of seeds trained alone (one seed) or as one pack (several); periodic
 checkpoints every 2 steps, evaluation every 2 steps, 6 steps in all.
+
+``python -m tests.engine_cases OUT.json WORKDIR`` (from the repository's root) trains every case,
+and resumes each from the checkpoints the old engine wrote at step 2, and writes what it observed
+to OUT.json: the test runs it in a child process held to the kernels of the recording.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +23,7 @@ import torch
 from bnexp.engine import checkpoint
 from tests.conftest import TINY, compose_cfg
 
+RECORDED = Path(__file__).parent / "data" / "engine_before_issue26"
 STEPS = [
     "trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.checkpoint_unit=step",
     "trainer.eval_every=2", "trainer.eval_unit=step", "trainer.keep_checkpoints=10",
@@ -68,6 +75,20 @@ def train_case(cfgs: list, dirs: list[Path]) -> None:
         train_pack(cfgs, dirs)
 
 
+def resume_case(name: str, root: Path) -> list[Path]:
+    """Train case ``name`` under ``root`` from the step-2 checkpoints the old engine wrote,
+    placed where ``resume=auto`` finds them; return its run directories."""
+    cfgs = case_cfgs(name)
+    dirs = [root / f"seed{c.trainer.seed}" for c in cfgs]
+    for i, d in enumerate(dirs):
+        (d / "checkpoints").mkdir(parents=True)
+        old = RECORDED / f"{name}.{i}.pt"
+        shutil.copy(old, d / "checkpoints" / "step-000000002.pt")
+        shutil.copy(old.with_name(old.name + ".sha256"), d / "checkpoints" / "step-000000002.pt.sha256")
+    train_case(cfgs, dirs)
+    return dirs
+
+
 def _rows(path: Path) -> list[dict[str, str]]:
     with open(path) as f:
         return [{k: v for k, v in row.items() if not any(t in k for t in UNTIMED)} for row in csv.DictReader(f)]
@@ -102,3 +123,21 @@ def observe(dirs: list[Path]) -> list[dict[str, Any]]:
             "periodic": sorted(p.name for p in (d / "checkpoints").glob("*.pt")) if (d / "checkpoints").is_dir() else [],
         })
     return seen
+
+
+def replay(out: Path, work: Path) -> None:
+    """Every case trained from the start and resumed from the old step-2 checkpoints; what each
+    wrote (:func:`observe`, and the checkpoint each resumed from, relative to its run directory)
+    and the CPU kernels used, as JSON in ``out``."""
+    fresh = {name: observe(run_case(name, work / "fresh" / name)) for name in CASES}
+    resumed = {}
+    for name in CASES:
+        dirs = resume_case(name, work / "resumed" / name)
+        resumed[name] = {"observed": observe(dirs), "resumed_from": [
+            str(Path(json.loads((d / "summary.json").read_text())["resumed_from"]).relative_to(d)) for d in dirs]}
+    out.write_text(json.dumps({"kernels": torch.backends.cpu.get_cpu_capability(), "fresh": fresh,
+                               "resumed": resumed}))
+
+
+if __name__ == "__main__":
+    replay(Path(sys.argv[1]), Path(sys.argv[2]))
