@@ -3,9 +3,10 @@
 Run on the tree before a refactor of the engine; ``tests/test_engine_recorded.py`` reruns the
 same cases and compares every metric row, the summary and the checkpoint's keys bit for bit.
 It also keeps one checkpoint per case written before the refactor, which the test resumes.
-float32 results depend on the CPU's kernels: the test replays the cases under the kernels the
-recording was made with (AVX2, ``RECORDING_KERNELS`` there); a new recording made elsewhere
-must say which kernels it used.
+float32 results depend on the CPU's kernels, and the test replays the cases under
+``RECORDING_KERNELS`` (``tests/engine_cases.py``): record under the same environment, e.g.
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python ...``;
+the script stops when PyTorch runs other kernels.
 Usage: python scripts/record_engine_behaviour.py tests/data/engine_before_issue26
 """
 
@@ -18,10 +19,16 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.engine_cases import CASES, observe, run_case  # noqa: E402
+import torch  # noqa: E402
+
+from tests.engine_cases import CASES, RECORDED_ON, RECORDING_KERNELS, observe, run_case  # noqa: E402
 
 
 def main(out: Path) -> None:
+    kernels = torch.backends.cpu.get_cpu_capability()
+    if kernels != RECORDED_ON:
+        sys.exit(f"PyTorch runs {kernels} kernels here, the test replays with {RECORDED_ON}: set "
+                 + " ".join(f"{k}={v}" for k, v in RECORDING_KERNELS.items()))
     out.mkdir(parents=True, exist_ok=True)
     recorded = {}
     for name in CASES:
