@@ -163,8 +163,8 @@ def resumed(name: str, root: Path) -> dict[str, Any]:
 
 def replay(out: Path, work: Path) -> None:
     """Every case trained from the start and resumed from the old step-2 checkpoints, as JSON in
-    ``out`` with the CPU kernels PyTorch used; nothing is trained when these are not
-    ``RECORDING_KERNELS``' (the recording cannot be matched)."""
+    ``out`` with the CPU kernels PyTorch used; nothing is trained when they are not
+    ``RECORDED_ON`` (the recording cannot be matched there)."""
     kernels = torch.backends.cpu.get_cpu_capability()
     seen: dict[str, Any] = {"kernels": kernels, "fresh": {}, "resumed": {}}
     if kernels == RECORDED_ON:

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose
 from hydra._internal.core_plugins.file_config_source import FileConfigSource
 from hydra.plugins.config_source import ConfigLoadError
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from bnexp.app.compose import config_dir, hydra_session
 from bnexp.engine.config import validate
@@ -71,10 +71,6 @@ def test_config_files_are_parsed_once_and_each_caller_gets_its_own_copy(tmp_path
     assert (second.provider, second.path) == ("t", f"bnexp-file://{tmp_path}")
     with pytest.raises(ConfigLoadError):
         ours.load_config("norm/missing")
-    sources = compose_cfg_with_hydra().hydra.runtime.config_sources
-    assert [(s.provider, s.schema) for s in sources if s.path == str(config_dir())] == [("main", "bnexp-file")]
-
-
-def compose_cfg_with_hydra() -> DictConfig:
     with hydra_session():
-        return compose("train", [], return_hydra_config=True)
+        sources = compose("train", [], return_hydra_config=True).hydra.runtime.config_sources
+    assert [(s.provider, s.schema) for s in sources if s.path == str(config_dir())] == [("main", "bnexp-file")]
