@@ -10,7 +10,9 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 import copy
 import csv
+import fcntl
 import functools
+import hashlib
 import json
 import pickle
 import shutil
@@ -66,19 +68,33 @@ def name_group(item: pytest.Item) -> None:
         item._id = NodeId.parse(item.nodeid + suffix)  # parse keeps the string as it is
 
 
+def run_tmp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of this pytest run that every xdist worker shares (a worker's temporary root
+    is a subfolder of the run's)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session", autouse=True)
-def preset_job_configs_once() -> Iterator[None]:
-    """``bnexp table``, ``plot`` and the two-stage tuning match runs to a preset by composing
-    the config of each of its jobs (CBN Table 1: 1350 of them, about 10 s); several tests ask
-    for the same preset's. Each worker process computes them once and hands out copies."""
+def preset_job_configs_once(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``bnexp table``, ``plot``, the two-stage tuning and the recorded fingerprints match runs
+    to a preset by composing the config of each of its jobs (CBN Table 1: 1350 of them, about
+    6 s); several tests, on both workers, ask for the same preset's. The first to ask computes
+    them and writes them as JSON (plain values: the round trip is exact), under a lock; every
+    other caller of the run reads that file."""
     real = presets.job_configs
-    memo: dict[tuple, list[dict]] = {}
+    folder = run_tmp_root(tmp_path_factory) / "preset_job_configs"
+    folder.mkdir(exist_ok=True)
 
     def once(name: str, scale: str, jobs: list[list[str]]) -> list[dict]:
-        key = (name, scale, tuple(tuple(job) for job in jobs))
-        if key not in memo:
-            memo[key] = real(name, scale, jobs)
-        return copy.deepcopy(memo[key])
+        key = hashlib.sha256(json.dumps([name, scale, [list(job) for job in jobs]]).encode()).hexdigest()[:24]
+        path = folder / f"{key}.json"
+        with open(folder / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not path.exists():
+                path.with_suffix(".tmp").write_text(json.dumps(real(name, scale, jobs)))
+                path.with_suffix(".tmp").replace(path)
+        return json.loads(path.read_text())
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(presets, "job_configs", once)

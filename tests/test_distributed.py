@@ -40,17 +40,8 @@ def run_two_processes(out: Path, jobs: dict[str, list[str]]) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-@pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ddp")
-    common = [*BASE, "trainer.batch_size=16", "data.train_size=128", "trainer.max_steps=20", "optim.lr=0.02",
-              "trainer.eval_every=10", "trainer.eval_unit=step", "logger=tensorboard"]
-    run_two_processes(out, {norm: [*common, f"norm={norm}"] for norm in ("bn", "cbn", "popnorm", "bnp", "bnp_gn")})
-    return out
-
-
 @pytest.mark.slow
-@pytest.mark.xdist_group("ddp_replicas")  # in one worker: the module's run of two processes is made once
+@pytest.mark.xdist_group("ddp_runs")  # in one worker: the module's two-process runs are made once
 @pytest.mark.parametrize("norm", ["bn", "cbn", "popnorm", "bnp", "bnp_gn"])
 def test_replicas_bit_identical_after_20_steps(replicas: Path, norm: str) -> None:
     a = torch.load(replicas / f"{norm}.rank0.pt")
@@ -79,15 +70,33 @@ SYNCED = {norm: [f"norm={norm}"] for norm in ("bn", "cbn", "bnp")}
 SYNCED["bnp_batch1"] = ["norm=bnp", "model=mlp3x100", "trainer.batch_size=2"]
 
 
+REPLICAS = [*BASE, "trainer.batch_size=16", "data.train_size=128", "trainer.max_steps=20", "optim.lr=0.02",
+            "trainer.eval_every=10", "trainer.eval_unit=step", "logger=tensorboard"]
+
+
 @pytest.fixture(scope="module")
-def synced(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("sync")
-    run_two_processes(out, {name: [*SYNC, *extra] for name, extra in SYNCED.items()})
+def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's two-process runs in one launch (each launch starts three fresh processes):
+    ``replicas/<norm>`` and ``synced/<name>``."""
+    out = tmp_path_factory.mktemp("ddp")
+    jobs = {f"replicas/{norm}": [*REPLICAS, f"norm={norm}"] for norm in ("bn", "cbn", "popnorm", "bnp", "bnp_gn")}
+    jobs.update({f"synced/{name}": [*SYNC, *extra] for name, extra in SYNCED.items()})
+    run_two_processes(out, jobs)
     return out
 
 
+@pytest.fixture
+def replicas(ddp_runs: Path) -> Path:
+    return ddp_runs / "replicas"
+
+
+@pytest.fixture
+def synced(ddp_runs: Path) -> Path:
+    return ddp_runs / "synced"
+
+
 @pytest.mark.slow
-@pytest.mark.xdist_group("ddp_synced")  # in one worker: the module's run of two processes is made once
+@pytest.mark.xdist_group("ddp_runs")  # in one worker: the module's two-process runs are made once
 @pytest.mark.parametrize("norm", SYNCED)
 def test_synced_two_processes_match_one(synced: Path, tmp_path: Path, norm: str) -> None:
     single = train(compose_cfg([*SYNC, *SYNCED[norm]]), tmp_path / "one")

@@ -12,8 +12,9 @@ import pytest
 from bnexp.app.compose import hydra_session, is_group, parser
 from bnexp.app.sweep import shape_representatives, skip_reason
 from bnexp.reference import published
+from bnexp.report import presets
 from bnexp.report.layouts import same
-from bnexp.report.presets import count, job_configs, load_preset, preset_names
+from bnexp.report.presets import count, load_preset, preset_names
 from bnexp.report.reproduce import reproduce, stage_one, stage_two
 from bnexp.report.selection import combos
 from bnexp.report.table import paper_value
@@ -158,7 +159,7 @@ def test_bnp_cnn5_trains_with_adam_where_the_paper_did() -> None:
     size, batch-group normalization at 2 and 1), SGD for every other cell."""
     p = load_preset("bnp/cnn5")
     optimizers = {}
-    for cfg in job_configs("bnp/cnn5", "full", p.jobs):
+    for cfg in presets.job_configs("bnp/cnn5", "full", p.jobs):
         cell = (cfg["norm.name"], cfg["trainer.batch_size"])
         optimizers.setdefault(cell, set()).add((cfg["optim.name"], cfg.get("norm.groups")))
     adam = {("none", 128), ("bn_4things", 128), ("bn_4things", 2), ("bn_4things", 1)}
@@ -170,7 +171,7 @@ def test_bnp_cnn5_trains_with_adam_where_the_paper_did() -> None:
 def fake_runs(results: Path, jobs: list[list[str]], accuracy: Callable[[list[str]], float]) -> None:
     """Finished runs of a cbn/table1 sweep as a sweep leaves them: a summary holding the
     config its job composes, and the recorded overrides."""
-    for job, config in zip(jobs, job_configs("cbn/table1", "full", jobs)):
+    for job, config in zip(jobs, presets.job_configs("cbn/table1", "full", jobs)):
         run = results / "_".join(o.split("=")[1] for o in job)
         (run / ".hydra").mkdir(parents=True)
         summary = {"status": "completed", "final_top1": accuracy(job), "config": config}

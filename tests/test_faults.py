@@ -29,6 +29,7 @@ from bnexp.engine.identity import NEUTRAL_SINCE_ADDED, cell_name, fingerprint, r
 from bnexp.support import runlock
 from bnexp.support.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_PREEMPTED, ConfigError
 from bnexp.support.runlock import LOCK_NAME
+from tests import warm
 from tests.conftest import QUICK_PRESET, TINY, compose_cfg, copy_runs, read_metrics, read_summary, run_cli, run_dir_of
 from tests.test_resilience import CrashAt, assert_same_run, cli_command, run_inprocess, wait_for_checkpoint
 
@@ -48,7 +49,7 @@ def only_run(folder: Path) -> Path:
     return run
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_for(path: Path, proc: subprocess.Popen | warm.WarmPopen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert proc.poll() is None and time.monotonic() < deadline, f"{path} never appeared"
@@ -183,7 +184,7 @@ def test_resume_from_a_checkpoint_of_other_settings_is_refused(tmp_path: Path) -
 @pytest.mark.slow
 def test_second_process_on_a_running_run_stops(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
-    first = subprocess.Popen(cli_command(run, 100_000), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = warm.WarmPopen(cli_command(run, 100_000))
     wait_for_checkpoint(run, first, 2)
     owner = json.loads((run / LOCK_NAME).read_text())
     assert owner == {"pid": first.pid, "host": socket.gethostname()}
@@ -353,7 +354,7 @@ def test_damaged_final_checkpoint_is_reported_by_the_rerun(tmp_path: Path, capsy
 @pytest.mark.slow
 def test_ctrl_c_checkpoints_and_exits_130(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = subprocess.Popen(cli_command(run, 100_000), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = warm.WarmPopen(cli_command(run, 100_000))
     wait_for_checkpoint(run, proc, 2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
@@ -369,7 +370,7 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path: Path) -> None:
 def test_ctrl_c_stops_a_sweep_after_its_report(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     command = [*cli_command(tmp_path / "unused", 100_000), "-m", "act=relu,tanh", f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = warm.WarmPopen(command)
     deadline = time.monotonic() + 120
     while not list(sweep.glob("*/checkpoints/step-*.pt")):
         assert proc.poll() is None and time.monotonic() < deadline
@@ -502,8 +503,7 @@ def test_sigterm_while_the_final_checkpoint_is_written(tmp_path: Path, capsys: p
     args = ["train", *TINY, *STEPS]
     for name in ("signalled", "reference"):
         (tmp_path / name).mkdir()
-    done = subprocess.run([*HOOKED, "sigterm-in-final-save", *args], cwd=tmp_path / "signalled", capture_output=True,
-                          text=True)
+    done = warm.run([*HOOKED, "sigterm-in-final-save", *args], cwd=tmp_path / "signalled")
     assert done.returncode == EXIT_PREEMPTED, done.stderr[-3000:]
     run = only_run(tmp_path / "signalled")
     assert [line for line in done.stderr.splitlines() if line.startswith("bnexp:")] == [
@@ -533,7 +533,7 @@ def test_sigkill_around_the_final_checkpoint_resumes_from_the_newest_one(
     args = ["train", *TINY, *STEPS]
     for name in ("killed", "reference"):
         (tmp_path / name).mkdir()
-    done = subprocess.run([*HOOKED, hook, *args], cwd=tmp_path / "killed", capture_output=True, text=True)
+    done = warm.run([*HOOKED, hook, *args], cwd=tmp_path / "killed")
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     run = only_run(tmp_path / "killed")
     assert (run / LOCK_NAME).exists()

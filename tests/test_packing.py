@@ -7,7 +7,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from bnexp.nn import BNP, NormFamily
 from bnexp.nn.packed import PackedLinear
 from bnexp.support.errors import EXIT_PREEMPTED
 from bnexp.support.runinfo import seed_everything
+from tests import warm
 from tests.conftest import QUICK_PRESET, TINY, compose_cfg, copy_runs, read_metrics, read_summary, run_cli
 from tests.test_resilience import assert_same_run, cli_command, wait_for_checkpoint
 
@@ -359,20 +359,20 @@ def pack_dirs(run: Path) -> list[Path]:
 
 
 @pytest.mark.slow
-def test_sigkill_then_rerun_resumes_the_whole_pack_bit_exactly(tmp_path: Path) -> None:
+def test_sigkill_then_rerun_resumes_the_whole_pack_bit_exactly(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     steps = 24
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    done = subprocess.run([*cli_command(reference, steps), "trainer.pack=3"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    proc = subprocess.Popen([*cli_command(killed, steps), "trainer.pack=3"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    code, out = run_cli([*cli_command(reference, steps)[3:], "trainer.pack=3"], capsys)  # the same run, in this process
+    assert code == 0, out
+    proc = warm.WarmPopen([*cli_command(killed, steps), "trainer.pack=3"])
     kill_after = random.Random().randrange(2, steps - 10, 2)
     # the last run's checkpoint (the pack writes its runs' in order, so the others' are there)
     wait_for_checkpoint(pack_dirs(killed)[-1], proc, kill_after)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    done = subprocess.run([*cli_command(killed, steps), "trainer.pack=3"], capture_output=True, text=True)
-    assert done.returncode == 0, (kill_after, done.stderr)
+    code, out = run_cli([*cli_command(killed, steps)[3:], "trainer.pack=3"], capsys)  # the same command, in this process
+    assert code == 0, (kill_after, out)
     for a, b in zip(pack_dirs(reference), pack_dirs(killed)):
         assert "resumed_from" in read_summary(b), kill_after
         assert_same_run(a, b)
@@ -381,8 +381,7 @@ def test_sigkill_then_rerun_resumes_the_whole_pack_bit_exactly(tmp_path: Path) -
 @pytest.mark.slow
 def test_sigterm_checkpoints_every_run_of_the_pack(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = subprocess.Popen([*cli_command(run, 100_000), "trainer.pack=3"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = warm.WarmPopen([*cli_command(run, 100_000), "trainer.pack=3"])
     wait_for_checkpoint(pack_dirs(run)[-1], proc, 2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -399,8 +398,7 @@ def test_sigterm_while_a_pack_writes_its_final_checkpoints(tmp_path: Path) -> No
     completes with its final checkpoint, then the process stops with 75."""
     from tests.test_faults import HOOKED
 
-    done = subprocess.run([*HOOKED, "sigterm-in-final-save", "train", *PACK_RUN, "trainer.pack=3"], cwd=tmp_path,
-                          capture_output=True, text=True)
+    done = warm.run([*HOOKED, "sigterm-in-final-save", "train", *PACK_RUN, "trainer.pack=3"], cwd=tmp_path)
     assert done.returncode == EXIT_PREEMPTED, done.stderr[-3000:]
     runs = list((tmp_path / "results" / "runs").iterdir())
     assert len(runs) == 3
@@ -606,7 +604,7 @@ def test_sigkill_after_a_run_diverged_resumes_the_pack_bit_exactly(tmp_path: Pat
     runs = {}
     for name, hook in (("reference", "nan"), ("killed", "nan-then-sigkill:4")):
         (tmp_path / name).mkdir()
-        done = subprocess.run([*HOOKED, hook, *args], cwd=tmp_path / name, capture_output=True, text=True)
+        done = warm.run([*HOOKED, hook, *args], cwd=tmp_path / name)
         assert done.returncode == (0 if name == "reference" else -signal.SIGKILL), done.stderr[-3000:]
         runs[name] = sorted((tmp_path / name / "results" / "runs").iterdir(),
                             key=lambda d: OmegaConf.load(d / "config.yaml").trainer.seed)

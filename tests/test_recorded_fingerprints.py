@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from bnexp.engine.identity import cell_name, fingerprint, override_key, short_hash
-from bnexp.report.presets import job_configs, load_preset, preset_names
+from bnexp.report import presets
+from bnexp.report.presets import load_preset, preset_names
 
 RECORD = Path(__file__).parent / "data" / "fingerprints_before_issue25.json"
 HOW = ("cell_fingerprints of every preset under commit c76dbb4 (before issue 25), made once by "
@@ -44,7 +45,7 @@ def cell_fingerprints(name: str) -> dict[str, str]:
     fingerprints, in seed order."""
     p = load_preset(name)
     runs: dict[str, list[tuple[str, str]]] = {}
-    for job, cfg in zip(p.jobs, job_configs(name, "full", p.jobs)):
+    for job, cfg in zip(p.jobs, presets.job_configs(name, "full", p.jobs)):
         seed = ",".join(o for o in job if override_key(o) == "trainer.seed")
         cell = cell_name([o for o in job if override_key(o) != "trainer.seed"])
         runs.setdefault(cell, []).append((seed, fingerprint(cfg)))

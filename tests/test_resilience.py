@@ -16,6 +16,7 @@ from bnexp.engine import checkpoint
 from bnexp.engine.callbacks import Callback, TrainState
 from bnexp.engine.trainer import CheckpointClock, train
 from bnexp.support.errors import EXIT_FAILED, EXIT_PREEMPTED
+from tests import warm
 from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli, run_dir_of
 
 EXACT = ["trainer.deterministic=true", "trainer.eval_every=4", "trainer.eval_unit=step",
@@ -57,7 +58,8 @@ def cli_command(run_dir: Path, steps: int) -> list[str]:
             "data.train_size=256", f"hydra.run.dir={run_dir}"]
 
 
-def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, min_step: int, timeout: float = 120) -> None:
+def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen | warm.WarmPopen, min_step: int,
+                        timeout: float = 120) -> None:
     """Wait until a complete periodic checkpoint at ``min_step`` or later exists: the file and
     its digest, which is written after it (a kill between the two leaves a damaged checkpoint
     that resume skips, so a run killed at its first checkpoint would start over)."""
@@ -71,19 +73,19 @@ def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, min_step: int, ti
 
 
 @pytest.mark.slow
-def test_sigkill_then_rerun_is_bit_identical(tmp_path: Path) -> None:
+def test_sigkill_then_rerun_is_bit_identical(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     steps = 60
     reference = tmp_path / "reference"
     run_inprocess(reference, [f"trainer.max_steps={steps}", "data.train_size=256"])  # same run, one process
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(cli_command(killed, steps), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = warm.WarmPopen(cli_command(killed, steps))
     kill_after = random.Random().randrange(2, steps - 10, 2)
     wait_for_checkpoint(killed, proc, kill_after)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "checkpoint.pt").exists(), kill_after
-    done = subprocess.run(cli_command(killed, steps), capture_output=True, text=True)
-    assert done.returncode == 0, (kill_after, done.stderr)
+    code, out = run_cli(cli_command(killed, steps)[3:], capsys)  # the same command, in this process
+    assert code == 0, (kill_after, out)
     assert "resumed_from" in read_summary(killed), kill_after
     assert_same_run(reference, killed)
 
@@ -91,8 +93,7 @@ def test_sigkill_then_rerun_is_bit_identical(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_with_code(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(cli_command(run_dir, 100_000), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = warm.WarmPopen(cli_command(run_dir, 100_000))
     wait_for_checkpoint(run_dir, proc, 2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -228,7 +229,7 @@ def test_sigterm_to_the_torchrun_launcher_reaches_the_ranks(tmp_path: Path) -> N
     """trainer.nproc=2: the signal goes to the launching process only (plain sbatch with B:)."""
     run_dir = tmp_path / "run"
     command = [*cli_command(run_dir, 100_000), "trainer.nproc=2", "trainer.batch_size=8"]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = warm.WarmPopen(command)
     wait_for_checkpoint(run_dir, proc, 2, timeout=300)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
