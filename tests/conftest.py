@@ -68,13 +68,6 @@ def name_group(item: pytest.Item) -> None:
         item._id = NodeId.parse(item.nodeid + suffix)  # parse keeps the string as it is
 
 
-def run_tmp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder of this pytest run that every xdist worker shares (a worker's temporary root
-    is a subfolder of the run's)."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
 @pytest.fixture(scope="session", autouse=True)
 def preset_job_configs_once(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """``bnexp table``, ``plot``, the two-stage tuning and the recorded fingerprints match runs
@@ -83,7 +76,8 @@ def preset_job_configs_once(tmp_path_factory: pytest.TempPathFactory) -> Iterato
     them and writes them as JSON (plain values: the round trip is exact), under a lock; every
     other caller of the run reads that file."""
     real = presets.job_configs
-    folder = run_tmp_root(tmp_path_factory) / "preset_job_configs"
+    base = tmp_path_factory.getbasetemp()  # an xdist worker's is a subfolder of the run's
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "preset_job_configs"
     folder.mkdir(exist_ok=True)
 
     def once(name: str, scale: str, jobs: list[list[str]]) -> list[dict]:

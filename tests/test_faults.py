@@ -49,13 +49,6 @@ def only_run(folder: Path) -> Path:
     return run
 
 
-def wait_for(path: Path, proc: subprocess.Popen | warm.WarmPopen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.01)
-
-
 # ---- 1. run identity -------------------------------------------------------------------
 
 def test_rerun_with_other_settings_is_refused_and_changes_nothing(tmp_path: Path,

@@ -359,20 +359,19 @@ def pack_dirs(run: Path) -> list[Path]:
 
 
 @pytest.mark.slow
-def test_sigkill_then_rerun_resumes_the_whole_pack_bit_exactly(tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_sigkill_then_rerun_resumes_the_whole_pack_bit_exactly(tmp_path: Path) -> None:
     steps = 24
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    code, out = run_cli([*cli_command(reference, steps)[3:], "trainer.pack=3"], capsys)  # the same run, in this process
-    assert code == 0, out
+    done = warm.run([*cli_command(reference, steps), "trainer.pack=3"])
+    assert done.returncode == 0, done.stderr
     proc = warm.WarmPopen([*cli_command(killed, steps), "trainer.pack=3"])
     kill_after = random.Random().randrange(2, steps - 10, 2)
     # the last run's checkpoint (the pack writes its runs' in order, so the others' are there)
     wait_for_checkpoint(pack_dirs(killed)[-1], proc, kill_after)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    code, out = run_cli([*cli_command(killed, steps)[3:], "trainer.pack=3"], capsys)  # the same command, in this process
-    assert code == 0, (kill_after, out)
+    done = warm.run([*cli_command(killed, steps), "trainer.pack=3"])
+    assert done.returncode == 0, (kill_after, done.stderr)
     for a, b in zip(pack_dirs(reference), pack_dirs(killed)):
         assert "resumed_from" in read_summary(b), kill_after
         assert_same_run(a, b)

@@ -2,35 +2,49 @@
 skips the imports: a fork of a server that imported bnexp once (multiprocessing's forkserver).
 
 A fresh interpreter spends about 4 s of CPU importing torch, torchvision and Hydra before
-bnexp runs; the tests that signal or kill a run, or run it with a fault hook, start about a
+bnexp runs; the tests that kill or signal a run, or run it with a fault hook, start about a
 dozen. Here each is a child of the forkserver: a real process with its own pid, signal
-handlers, working directory, environment and exit code, killed, stopped and signalled as
-the tests did before; only the imports were done before the fork. The tests of the README's
-commands, of the DDP launcher as a user starts it, of plugins (``BNEXP_PLUGINS``) and of
-resource limits keep starting a fresh interpreter.
+handlers, working directory, environment, output and exit code (negative for a signal), as a
+fresh interpreter gives them, uncaught errors and Ctrl-C included. What differs: the imports
+happened before the fork (a warning raised while importing goes to the server), the parent
+process is the forkserver, stdin is /dev/null, and a traceback shows this module's frames.
+The README's commands, the DDP launcher tests of tests/test_distributed.py, every DDP rank,
+the plugin tests and the file-size-limit tests keep starting a fresh interpreter.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 CONTEXT = multiprocessing.get_context("forkserver")
 CONTEXT.set_forkserver_preload(["bnexp.cli", "tests.warm"])
 _started: list[WarmPopen] = []
 
 
+def _exit_status(exit_: SystemExit) -> int:
+    """The status an interpreter ends with on ``sys.exit(code)`` (a message goes to stderr)."""
+    if exit_.code is None or isinstance(exit_.code, int):
+        return exit_.code or 0
+    print(exit_.code, file=sys.stderr)
+    return 1
+
+
 def _run(argv: list[str], cwd: str, env: dict[str, str], out_dir: str) -> None:
     """In the child: become ``python ARGV`` run in ``cwd`` with ``env``, its output in
-    ``out_dir``; then end as an interpreter ends (exit functions, flushed streams)."""
+    ``out_dir``, and end as an interpreter ends: the exit functions, flushed streams, the
+    status of ``sys.exit``, 1 after printing an uncaught error, killed by SIGINT after an
+    uncaught Ctrl-C."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -40,6 +54,7 @@ def _run(argv: list[str], cwd: str, env: dict[str, str], out_dir: str) -> None:
         os.close(target)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    status = 0
     try:
         if argv[0] == "-m":  # as `python -m MODULE`: the working directory first on sys.path
             sys.path.insert(0, cwd)
@@ -49,21 +64,32 @@ def _run(argv: list[str], cwd: str, env: dict[str, str], out_dir: str) -> None:
             sys.path.insert(0, str(Path(argv[0]).resolve().parent))
             sys.argv = list(argv)
             runpy.run_path(argv[0], run_name="__main__")
-    finally:
-        atexit._run_exitfuncs()
+    except SystemExit as exit_:
+        status = _exit_status(exit_)
+    except BaseException as err:  # an interpreter prints whatever ends its program
+        sys.excepthook(type(err), err, err.__traceback__)
+        status = -signal.SIGINT if isinstance(err, KeyboardInterrupt) else 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if status == -signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(status)
 
 
 class WarmPopen:
     """The part of ``subprocess.Popen`` the tests use, for ``[sys.executable, *ARGV]``; stdout
     and stderr are always captured (text)."""
 
-    def __init__(self, args: Sequence[str], cwd: Optional[Path] = None) -> None:
+    def __init__(self, args: Sequence[str], cwd: Path | None = None) -> None:
         if args[0] != sys.executable:
             raise ValueError(f"not a Python command: {args[0]}")
         self.args = list(args)
         self._out = tempfile.mkdtemp(prefix="bnexp-warm-")
         for name in ("stdout", "stderr"):  # there even if the child fails before it writes
             Path(self._out, name).touch()
+        self._output: tuple[str, str] | None = None
         self._proc = CONTEXT.Process(target=_run, args=(self.args[1:], str(cwd or os.getcwd()), dict(os.environ),
                                                         self._out))
         self._proc.start()
@@ -71,32 +97,39 @@ class WarmPopen:
         _started.append(self)
 
     @property
-    def returncode(self) -> Optional[int]:
+    def returncode(self) -> int | None:
         return self._proc.exitcode
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         return self._proc.exitcode
 
-    def wait(self, timeout: Optional[float] = None) -> int:
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status, once the process has ended (its output read, its folder removed)."""
         self._proc.join(timeout)
         if self._proc.exitcode is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        if self._output is None:
+            out, err = (Path(self._out, name).read_text(errors="replace") for name in ("stdout", "stderr"))
+            self._output = (out, err)
+            shutil.rmtree(self._out, ignore_errors=True)
         return self._proc.exitcode
 
     def send_signal(self, signum: int) -> None:
         if self._proc.exitcode is None:
-            os.kill(self.pid, signum)
+            with contextlib.suppress(ProcessLookupError):  # it ended since
+                os.kill(self.pid, signum)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def communicate(self, timeout: Optional[float] = None) -> tuple[str, str]:
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         """Wait for the end; its (stdout, stderr)."""
         self.wait(timeout)
-        return tuple(Path(self._out, name).read_text(errors="replace") for name in ("stdout", "stderr"))
+        assert self._output is not None
+        return self._output
 
 
-def run(args: Sequence[str], cwd: Optional[Path] = None, timeout: Optional[float] = None) -> subprocess.CompletedProcess:
+def run(args: Sequence[str], cwd: Path | None = None, timeout: float | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run(args, cwd=cwd, capture_output=True, text=True)`` in a warm process."""
     proc = WarmPopen(args, cwd)
     out, err = proc.communicate(timeout)
@@ -109,3 +142,4 @@ def _kill_leftovers() -> None:
     wait for it when the worker exits (this runs first: exit functions run in reverse)."""
     for proc in _started:
         proc.kill()
+        shutil.rmtree(proc._out, ignore_errors=True)
