@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -370,7 +371,8 @@ def test_sigkill_then_rerun_resumes_the_whole_pack_bit_exactly(tmp_path: Path) -
     wait_for_checkpoint(pack_dirs(killed)[-1], proc, kill_after)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    done = warm.run([*cli_command(killed, steps), "trainer.pack=3"])
+    done = subprocess.run([*cli_command(killed, steps), "trainer.pack=3"], capture_output=True,
+                          text=True)  # fresh: a hash seed of its own
     assert done.returncode == 0, (kill_after, done.stderr)
     for a, b in zip(pack_dirs(reference), pack_dirs(killed)):
         assert "resumed_from" in read_summary(b), kill_after

@@ -84,7 +84,7 @@ def test_sigkill_then_rerun_is_bit_identical(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "checkpoint.pt").exists(), kill_after
-    done = warm.run(cli_command(killed, steps))
+    done = subprocess.run(cli_command(killed, steps), capture_output=True, text=True)  # fresh: own hash seed
     assert done.returncode == 0, (kill_after, done.stderr)
     assert "resumed_from" in read_summary(killed), kill_after
     assert_same_run(reference, killed)
@@ -229,7 +229,8 @@ def test_sigterm_to_the_torchrun_launcher_reaches_the_ranks(tmp_path: Path) -> N
     """trainer.nproc=2: the signal goes to the launching process only (plain sbatch with B:)."""
     run_dir = tmp_path / "run"
     command = [*cli_command(run_dir, 100_000), "trainer.nproc=2", "trainer.batch_size=8"]
-    proc = warm.WarmPopen(command)
+    # fresh, its stderr a pipe the ranks inherit: communicate returns once every process has let go of it
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for_checkpoint(run_dir, proc, 2, timeout=300)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)

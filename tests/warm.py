@@ -4,14 +4,21 @@ skips the imports: a fork of a server that imported bnexp once (multiprocessing'
 A fresh interpreter spends about 4 s of CPU importing torch, torchvision and Hydra before
 bnexp runs; the tests that kill or signal a run, or run it with a fault hook, start about a
 dozen. Here each is a child of the forkserver: a real process with its own pid, signal
-handlers, working directory, environment, output and exit code (negative for a signal), as a
-fresh interpreter gives them, uncaught errors and Ctrl-C included. What differs: the imports
-happened before the fork (a warning raised while importing goes to the server), the parent
-process is the forkserver, stdin is /dev/null, and a traceback shows this module's frames.
-The README's commands, the DDP launcher tests of tests/test_distributed.py, every DDP rank,
-the plugin tests and the file-size-limit tests keep starting a fresh interpreter.
+handlers, working directory, environment, output and exit status (negative for a signal), as a
+fresh interpreter gives them, uncaught errors and Ctrl-C included. What differs:
+- the imports happened before the fork: a warning raised while importing goes to the server,
+  and what the interpreter or a library reads from the environment when it starts (PYTHON*,
+  OMP_NUM_THREADS, MKL_*) comes from the environment of the test that started the server;
+- every child has the server's string-hash seed (a fresh interpreter draws its own), its
+  interpreter flags, and the test process's ``sys.path`` besides the command's own entry;
+- the parent process is the forkserver, multiprocessing names the process ForkServerProcess-N,
+  stdin is /dev/null, and a traceback shows this module's frames;
+- at the end, buffers of C code's own stdio are not flushed (``os._exit``).
+So a test that checks something across runs (a resume after a kill) re-runs in a fresh
+interpreter, with a hash seed of its own. The README's commands, the DDP tests of
+tests/test_distributed.py, every DDP rank, the torchrun launcher whose ranks must be gone when
+it is, the plugin tests and the file-size-limit tests keep starting a fresh interpreter.
 """
-
 from __future__ import annotations
 
 import atexit
@@ -24,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -42,9 +50,9 @@ def _exit_status(exit_: SystemExit) -> int:
 
 def _run(argv: list[str], cwd: str, env: dict[str, str], out_dir: str) -> None:
     """In the child: become ``python ARGV`` run in ``cwd`` with ``env``, its output in
-    ``out_dir``, and end as an interpreter ends: the exit functions, flushed streams, the
-    status of ``sys.exit``, 1 after printing an uncaught error, killed by SIGINT after an
-    uncaught Ctrl-C."""
+    ``out_dir``, and end as an interpreter ends: its threads joined, the exit functions,
+    flushed streams, the status of ``sys.exit``, 1 after printing an uncaught error, killed by
+    SIGINT after an uncaught Ctrl-C."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -54,7 +62,7 @@ def _run(argv: list[str], cwd: str, env: dict[str, str], out_dir: str) -> None:
         os.close(target)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    status = 0
+    status, interrupted = 0, False
     try:
         if argv[0] == "-m":  # as `python -m MODULE`: the working directory first on sys.path
             sys.path.insert(0, cwd)
@@ -68,11 +76,14 @@ def _run(argv: list[str], cwd: str, env: dict[str, str], out_dir: str) -> None:
         status = _exit_status(exit_)
     except BaseException as err:  # an interpreter prints whatever ends its program
         sys.excepthook(type(err), err, err.__traceback__)
-        status = -signal.SIGINT if isinstance(err, KeyboardInterrupt) else 1
+        status, interrupted = 1, isinstance(err, KeyboardInterrupt)
+    for thread in threading.enumerate():  # an interpreter waits for its non-daemon threads
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    if status == -signal.SIGINT:
+    if interrupted:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     os._exit(status)
