@@ -19,6 +19,7 @@ interpreter, with a hash seed of its own. The README's commands, the DDP tests o
 tests/test_distributed.py, every DDP rank, the torchrun launcher whose ranks must be gone when
 it is, the plugin tests and the file-size-limit tests keep starting a fresh interpreter.
 """
+
 from __future__ import annotations
 
 import atexit
