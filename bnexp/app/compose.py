@@ -15,6 +15,7 @@ from hydra.core.override_parser.types import Override
 from hydra.core.plugins import Plugins
 from omegaconf import OmegaConf
 
+from bnexp.app.cells import cell_dir
 from bnexp.engine.identity import cell_name, run_name
 from bnexp.reference import bnp_lr
 from bnexp.support.registry import plugin_config_dirs
@@ -52,13 +53,14 @@ def is_group(o: Override) -> bool:
 
 def prepare_config_tree() -> None:
     """What composing bnexp's config tree needs besides the tree: the OmegaConf resolvers it
-    uses (``${run_name:...}``, ``${cell_name:...}``, ``${sweep_name:...}``, ``${bnp_lr:...}``),
-    the config source that parses each file once and the search-path plugin that reads bnexp's
+    uses (``${run_name:...}``, ``${cell_dir:...}``, ``${sweep_name:...}``, ``${bnp_lr:...}``, and
+    ``${cell_name:...}``, the sweep cells' folder before ``cell_dir``, for configs that name it), the config source that parses each file once and the search-path plugin that reads bnexp's
     folders with it and adds the ``BNEXP_PLUGINS`` ones (registered by hand: an editable
     install hides ``hydra_plugins`` from Hydra's own scan)."""
     Plugins.instance().register(ParsedOnceConfigSource)
     Plugins.instance().register(BnexpPluginConfigs)
-    for name, resolver in (("run_name", run_name), ("cell_name", cell_name), ("bnp_lr", bnp_lr)):
+    resolvers = (("run_name", run_name), ("cell_dir", cell_dir), ("cell_name", cell_name), ("bnp_lr", bnp_lr))
+    for name, resolver in resolvers:
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver)
     # A sweep's folder is named once, from the sweep's command line: Hydra copies a cached

@@ -117,10 +117,15 @@ def periodic_path(run_dir: Path, step: int) -> Path:
     return run_dir / CHECKPOINT_DIR / f"step-{step:09d}.pt"
 
 
+def periodic_step(path: Path) -> int | None:
+    """The step a periodic checkpoint's name says (``step-000000300.pt``: 300); None for another file."""
+    found = _STEP_FILE.search(path.name)
+    return int(found.group(1)) if found else None
+
+
 def periodic_checkpoints(run_dir: Path) -> list[Path]:
     """Periodic checkpoints of a run, newest (highest step) first."""
-    folder = run_dir / CHECKPOINT_DIR
-    found = [(int(m.group(1)), p) for p in folder.glob("step-*.pt") if (m := _STEP_FILE.search(p.name))]
+    found = [(step, p) for p in (run_dir / CHECKPOINT_DIR).glob("step-*.pt") if (step := periodic_step(p)) is not None]
     return [p for _, p in sorted(found, reverse=True)]
 
 

@@ -21,6 +21,8 @@ from typing import Any, Callable, Optional, Sequence
 import pandas as pd
 import yaml
 
+from bnexp.app.cells import CELLS
+from bnexp.app.cells import listed as cells_listed
 from bnexp.engine.identity import fingerprint, flatten, result_config
 from bnexp.probes.callback import COLUMNS, PROBES_FILE, read_probes
 from bnexp.support.errors import DataError
@@ -100,9 +102,19 @@ def failed_row(err: DataError, where: dict[str, str]) -> dict[str, Any]:
             "result_config": {}}
 
 
+def run_dirs(folder: Path) -> list[Path]:
+    """The run directories of a results folder, each once: those under it holding a
+    summary.json, then those its sweep folders list (:mod:`bnexp.app.cells`: the cells of an
+    ad-hoc sweep train where single runs do) that hold one."""
+    inside = [p.parent for p in sorted(Path(folder).rglob("summary.json"))]
+    listed = [d for lists in sorted(Path(folder).rglob(CELLS)) for d in cells_listed(lists.parent)]
+    unique = {d.resolve(): d for d in [*inside, *(d for d in listed if (d / "summary.json").is_file())]}
+    return list(unique.values())
+
+
 def load_summaries(results: Path) -> pd.DataFrame:
-    """Every summary.json under ``results`` (recursively), one row each."""
-    rows = [row for row in map(summary_row, sorted(Path(results).rglob("summary.json"))) if row is not None]
+    """Every run of :func:`run_dirs`, one row each."""
+    rows = [row for row in (summary_row(d / "summary.json") for d in run_dirs(results)) if row is not None]
     return pd.DataFrame(rows)
 
 
