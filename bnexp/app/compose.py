@@ -54,9 +54,10 @@ def is_group(o: Override) -> bool:
 def prepare_config_tree() -> None:
     """What composing bnexp's config tree needs besides the tree: the OmegaConf resolvers it
     uses (``${run_name:...}``, ``${cell_dir:...}``, ``${sweep_name:...}``, ``${bnp_lr:...}``, and
-    ``${cell_name:...}``, the sweep cells' folder before ``cell_dir``, for configs that name it), the config source that parses each file once and the search-path plugin that reads bnexp's
-    folders with it and adds the ``BNEXP_PLUGINS`` ones (registered by hand: an editable
-    install hides ``hydra_plugins`` from Hydra's own scan)."""
+    ``${cell_name:...}``, the sweep cells' folder before ``cell_dir``, for configs that name
+    it), the config source that parses each file once and the search-path plugin that reads
+    bnexp's folders with it and adds the ``BNEXP_PLUGINS`` ones (registered by hand: an
+    editable install hides ``hydra_plugins`` from Hydra's own scan)."""
     Plugins.instance().register(ParsedOnceConfigSource)
     Plugins.instance().register(BnexpPluginConfigs)
     resolvers = (("run_name", run_name), ("cell_dir", cell_dir), ("cell_name", cell_name), ("bnp_lr", bnp_lr))

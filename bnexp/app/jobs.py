@@ -25,8 +25,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from bnexp.app.compose import prepare_config_tree
 from bnexp.app.cells import note_cell
+from bnexp.app.compose import prepare_config_tree
 from bnexp.app.sweep import job_status, record, skip_or_home, spread_over_gpus
 from bnexp.app.torchrun import check_gpus, follow_launcher, run_under_torchrun
 from bnexp.engine.config import meaningless, validate

@@ -43,7 +43,7 @@ from bnexp.engine.checkpoint import FINAL, periodic_step, read_config, resume_ca
 from bnexp.engine.config import lr_not_applicable
 from bnexp.engine.identity import cell_name, differences, fingerprint, override_key, run_differences
 from bnexp.support.errors import EXIT_FAILED, ConfigError, OtherRunThere
-from bnexp.support.runinfo import read_run_json
+from bnexp.support.runinfo import duration, read_run_json
 from bnexp.support.runlock import HELD_ENV
 
 log = logging.getLogger("bnexp.app.sweep")
@@ -411,13 +411,6 @@ def job_steps(run_dir: Path) -> Optional[int]:
         return int(read_run_json(run_dir / "summary.json")["steps"])
     except (ConfigError, KeyError, TypeError, ValueError):
         return None
-
-
-def duration(seconds: float) -> str:
-    """``95`` -> ``1.6 min``; hours from 90 minutes on, seconds below one minute."""
-    if seconds >= 5400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
 def describe_jobs(jobs: Sequence[Job], sweep_dir: Path, places: Optional[Sequence[Path]] = None,

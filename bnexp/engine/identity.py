@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from bnexp.data.files import changed_files
 
 # Settings that do not change what a run computes: where it logs, how often it saves or
-# prints, how long its processes wait for each other, which device it runs on, whether it
+# prints, which checkpoints it keeps, how long its processes wait for each other, which device it runs on, whether it
 # trains packed with other seeds (the same computation, rounded differently), whether data
 # is downloaded and checked. A key covers its whole subtree. (data.num_workers is not one: each DataLoader worker draws its own
 # augmentation.)
@@ -32,6 +32,7 @@ NON_RESULT_KEYS = (
     "trainer.checkpoint_every",
     "trainer.checkpoint_unit",
     "trainer.keep_checkpoints",
+    "trainer.keep_best",
     "trainer.dist_timeout",
     "data.download",
     "data.verify",

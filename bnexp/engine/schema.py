@@ -188,6 +188,7 @@ class TrainerKeys(TypedDict, total=False):
     checkpoint_every: NonNegative
     checkpoint_unit: choice(CHECKPOINT_UNITS)
     keep_checkpoints: Count
+    keep_best: bool
     resume: str
     init_from: Optional[str]
     amp: Optional[choice((*AMP_DTYPES, False))]  # YAML reads a bare off as false (bnexp.engine.amp_compile.amp_mode)
