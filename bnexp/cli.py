@@ -21,7 +21,7 @@ import torch
 
 from bnexp.app.train import train_command
 from bnexp.support.errors import EXIT_CONFIG
-from bnexp.support.options import print_error
+from bnexp.support.options import plain_text, print_error
 from bnexp.support.runinfo import source_of_bnexp
 
 USAGE = """usage: bnexp <command> [args]
@@ -82,7 +82,7 @@ def version() -> str:
 def command_help(command: str) -> str:
     """``bnexp <command> --help``: the documentation of the module implementing it."""
     doc = importlib.import_module(MODULES[command]).__doc__ or ""
-    return f"usage: bnexp {command} [key=value ...]\n\n{doc.strip()}"
+    return f"usage: bnexp {command} [key=value ...]\n\n{plain_text(doc).strip()}"
 
 
 def completion(argv: list[str]) -> None:
