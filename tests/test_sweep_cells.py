@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -120,3 +121,32 @@ def test_a_list_naming_other_places_is_read_as_paths_only(tmp_path: Path) -> Non
     assert [d.resolve() for d in run_dirs(folder)] == [run.resolve()]
     shutil.rmtree(run)
     assert run_dirs(folder) == []
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_commands(after: str) -> list[list[str]]:
+    """The commands of the README's first bash block after the text ``after``, comments cut."""
+    block = README.read_text().split(after, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(line.split("#", 1)[0]) for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_the_readme_sweep_commands_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """README, "Sweeps": a digits sweep, the same grown by a seed (the first seed found, not
+    trained again), its table and its figure, run as the README writes them."""
+    monkeypatch.chdir(tmp_path)
+    dry, first, grown, table, plot = readme_commands("which need no download:")
+    assert {c[0] for c in (dry, first, grown, table, plot)} == {"bnexp"}
+    code, out = run_cli(dry[1:], capsys)
+    assert code == 0 and "2 to run, 0 to resume, 0 finished (skipped)" in out and not Path("results").exists(), out
+    code, out = run_cli(first[1:], capsys)
+    assert code == 0 and "sweep finished: 2 cells: 2 completed" in out, out
+    code, out = run_cli(grown[1:], capsys)
+    assert code == 0 and "sweep finished: 4 cells: 2 completed, 0 diverged, 0 failed, 2 skipped" in out, out
+    code, out = run_cli(table[1:], capsys)
+    assert code == 0 and [line.split("|")[1].strip() for line in out.splitlines() if "(2)" in line] == ["relu", "tanh"]
+    code, out = run_cli(plot[1:], capsys)
+    assert code == 0 and all(Path(line).is_file() for line in out.split()) and "sweep.png" in out, out

@@ -5,9 +5,9 @@ the default ``hydra.sweep.dir``), *lists* its cells in :data:`CELLS`: each cell 
 ``bnexp train <the cell's overrides>`` trains that run (``hydra.run.dir``,
 ``results/runs/<overrides>/``), so a grown sweep (another seed, another value) finds the
 cells that ran before, whatever its own command line. A sweep folder chosen by hand or by a
-preset (``hydra.sweep.dir=...``), and an ad-hoc folder made before cells were listed (it
-holds ``multirun.yaml`` and no list), *holds* its cells, each named after its overrides, as
-Hydra's sweep folders do.
+preset (``hydra.sweep.dir=...``), and an ad-hoc folder made before cells were listed (its
+cells inside, no list), *holds* its cells, each named after its overrides, as Hydra's
+sweep folders do.
 
 The list is started by bnexp's sweeper before the first job (:func:`start_list`); each job
 adds the directory that holds its result (:func:`note_cell`), so the list survives any
@@ -23,7 +23,6 @@ from typing import Sequence
 from bnexp.engine.identity import cell_name
 
 CELLS = "cells.txt"  # a listing sweep folder: one cell directory a line, relative to the folder
-SWEEP_RECORD = "multirun.yaml"  # what bnexp's sweeper writes into every sweep folder it starts
 
 
 def lists_cells(sweep_dir: Path) -> bool:
@@ -33,10 +32,13 @@ def lists_cells(sweep_dir: Path) -> bool:
 
 def will_list(sweep_dir: Path, sweep_name: str) -> bool:
     """Whether bnexp's sweeper makes ``sweep_dir`` list its cells: it does already, or it is
-    named after the sweep's command line (``sweep_name``) and held no sweep before."""
+    named after the sweep's command line (``sweep_name``) and holds no cell folder (as
+    folders made before cells were listed do; ``.submitit/`` and the like aside)."""
     if lists_cells(sweep_dir):
         return True
-    return sweep_dir.name == sweep_name and not (sweep_dir / SWEEP_RECORD).exists()
+    if sweep_dir.name != sweep_name:
+        return False
+    return not sweep_dir.is_dir() or not any(p.is_dir() and not p.name.startswith(".") for p in sweep_dir.iterdir())
 
 
 def start_list(sweep_dir: Path) -> None:

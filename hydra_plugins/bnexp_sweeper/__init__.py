@@ -15,7 +15,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from bnexp.app.cells import SWEEP_RECORD, place, start_list, will_list
+from bnexp.app.cells import place, start_list, will_list
 from bnexp.app.sweep import Sweep, describe_jobs, expand, plan, shape_representatives
 from bnexp.engine.identity import run_name
 
@@ -59,7 +59,7 @@ class BnexpSweeper(Sweeper):
         if listing:
             start_list(sweep_dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.config, sweep_dir / SWEEP_RECORD)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         plan(len(jobs))
         size = self.max_batch_size or max(1, len(jobs))
         returns = []
