@@ -262,7 +262,7 @@ def prepare_job(job: Job, write: bool) -> Optional[Path]:
     when ``write`` (the main process), its ``.hydra/`` is written if it trains, and a listing
     sweep's list names where its result is (:mod:`bnexp.app.cells`)."""
     meaningless(job.cfg, job.hydra_cfg.overrides.task)
-    sweep_dir = Path(job.hydra_cfg.sweep.dir) if job.hydra_cfg.mode == RunMode.MULTIRUN else None
+    sweep_dir = Path(job.hydra_cfg.sweep.dir) if job.hydra_cfg.get("mode") == RunMode.MULTIRUN else None
     reason, home = skip_or_home(job.cfg, job.run_dir, sweep_dir)
     if write and sweep_dir is not None:
         note_cell(sweep_dir, home)
