@@ -94,3 +94,16 @@ def varying(frame: pd.DataFrame) -> list[str]:
     keys = [c.removeprefix("overrides.") for c in frame.columns if c.startswith("overrides.")]
     return [k for k in keys if k not in REPLICATES and not is_non_result(k)
             and frame[f"overrides.{k}"].astype(str).nunique(dropna=False) > 1]
+
+
+def unlike_paper(p: Preset, runs: pd.DataFrame) -> str:
+    """Why the runs of preset ``p`` cannot be compared with the paper's numbers (empty when
+    they can): a toy scale, or data other than the paper's (``data=digits``: a run's
+    ``data.name`` differs from the data set its preset names, ``tags.data``)."""
+    if p.scale != "full":
+        return f"scale={p.scale}, toy runs on synthetic data, not comparable with the paper"
+    named = [(p.cfg.data.name, p.cfg.tags.get("data"))]
+    if {"data.name", "tags.data"} <= set(runs.columns):
+        named += list(zip(runs["data.name"], runs["tags.data"]))
+    other = sorted({str(used) for used, paper in named if paper is not None and used != paper})
+    return f"data {', '.join(other)}, not the paper's: not comparable with the paper" if other else ""
