@@ -152,7 +152,8 @@ def counted_once(frame: pd.DataFrame, results: Path) -> pd.DataFrame:
     copy taken and those left out."""
     if frame.empty or "run_identity" not in frame or not frame["run_identity"].notna().any():
         return frame
-    order = frame.assign(_rank=frame["status"].map(lambda s: STATUS_RANK.get(s, 2)),
+    status = frame["status"] if "status" in frame else pd.Series(None, index=frame.index)
+    order = frame.assign(_rank=status.map(lambda s: STATUS_RANK.get(s, 2)),
                          _depth=frame["run_dir"].map(lambda d: len(Path(d).parts)))
     order = order.sort_values(["_rank", "_depth", "run_dir"], kind="stable")
     copies = order["run_identity"].notna() & order.duplicated("run_identity")
