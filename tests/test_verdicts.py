@@ -266,3 +266,11 @@ def test_toy_scale_and_other_data_are_not_compared_with_the_paper() -> None:
     untested = build(layout, runs, 0, Tests(unlike_paper="scale=quick, toy"))
     assert untested.filter(like="test").shape[1] == 0
     assert legend_of(untested).splitlines()[-2] == "No verdicts: scale=quick, toy"
+
+
+def test_tune_seeds_is_for_tables_that_tune_and_counts_seeds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["table", "popnorm/table2", f"results={tmp_path}", "tune_seeds=2"], capsys) == (
+        2, "bnexp: error: tune_seeds applies to presets whose table tunes a parameter for the best mean "
+           "(cbn/table1-4), not popnorm/table2\n")
+    assert run_cli(["table", "popnorm/table2", f"results={tmp_path}", "tune_seeds=0"], capsys) == (
+        2, "bnexp: error: tune_seeds='0' is not valid: a whole number of seeds >= 1\n")

@@ -21,9 +21,9 @@ from bnexp.app.sweep import describe_jobs
 from bnexp.app.train import multirun
 from bnexp.report.presets import SEED, Preset, count, estimate, load_preset, parse_command, preset_overrides
 from bnexp.report.results import load_summaries
-from bnexp.report.selection import best_choice, preset_runs, select
+from bnexp.report.selection import best_choice, preset_runs, select, tuned_key
 from bnexp.report.table import seed_count, table_text
-from bnexp.support.errors import EXIT_CONFIG, ConfigError
+from bnexp.support.errors import EXIT_CONFIG
 from bnexp.support.options import exit_on_error
 
 Lines = list[str]  # one command-line sweep, "key=value" lines
@@ -42,14 +42,6 @@ def default_launcher(overrides: Sequence[str]) -> list[str]:
 
     chosen = any(o.lstrip("+~").startswith("hydra/launcher=") for o in overrides)
     return ["hydra/launcher=pack"] if torch.cuda.is_available() and not chosen else []
-
-
-def tuned_key(p: Preset) -> str:
-    """The parameter the preset's table tunes for the best mean; an error without one."""
-    if p.layout.tune is None or p.layout.select != "best":
-        raise ConfigError(f"tune_seeds applies to presets whose table tunes a parameter for the best mean "
-                          f"(cbn/table1-4), not {p.name}")
-    return p.layout.tune
 
 
 def stage_one(p: Preset, tune_seeds: int) -> list[Lines]:

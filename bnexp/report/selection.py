@@ -15,6 +15,7 @@ from bnexp.engine.identity import differences, is_non_result
 from bnexp.report.layouts import Layout, same
 from bnexp.report.presets import Preset
 from bnexp.report.stability import largest_stable
+from bnexp.support.errors import ConfigError
 
 REPLICATES = ("trainer.seed",)  # overrides whose runs a cell pools
 
@@ -50,6 +51,15 @@ def choose(layout: Layout, runs: pd.DataFrame, metric: str) -> Any:
     if not len(runs):
         return None
     return best_choice(runs, layout.tune, metric) if layout.select == "best" else largest_stable(runs, layout.tune)
+
+
+def tuned_key(p: Preset) -> str:
+    """The parameter the preset's table tunes for the best mean (what ``tune_seeds`` splits);
+    an error without one."""
+    if p.layout.tune is None or p.layout.select != "best":
+        raise ConfigError(f"tune_seeds applies to presets whose table tunes a parameter for the best mean "
+                          f"(cbn/table1-4), not {p.name}")
+    return p.layout.tune
 
 
 def combos(axes: Sequence[Any]) -> list[dict[str, Any]]:

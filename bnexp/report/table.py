@@ -28,7 +28,7 @@ from bnexp.reference import published
 from bnexp.report.layouts import METRIC_LABELS, METRICS, Layout, same
 from bnexp.report.presets import SEED, Preset, load_preset, parse_command, sweep_folder
 from bnexp.report.results import load_summaries, seconds_per_epoch
-from bnexp.report.selection import choose, combos, completed, preset_runs, select, unlike_paper, varying
+from bnexp.report.selection import choose, combos, completed, preset_runs, select, tuned_key, unlike_paper, varying
 from bnexp.report.verdicts import benjamini_hochberg, holm, selection_adjusted, tost, welch, welch_p
 from bnexp.support.errors import ConfigError, unknown_choice
 from bnexp.support.options import OUT_ELSEWHERE, exit_on_error, output_errors
@@ -462,6 +462,8 @@ def table_text(p: Preset, results: Path, fmt: str = "markdown", margin: float | 
         raise ConfigError(f"{results}: no such folder, so no runs of {p.name} to tabulate; run them with "
                           f"`bnexp reproduce {p.name}{'' if p.scale == 'full' else ' scale=' + p.scale}` "
                           "or point results=DIR at their folder")
+    if tune_seeds is not None:
+        tuned_key(p)
     runs = preset_runs(p, load_summaries(results), results)
     tests = Tests(margin, tune_seeds, unlike_paper(p, runs))
     table = build(p.layout, runs, int(p.cfg.trainer.seed), tests)
