@@ -3,11 +3,13 @@ DIR rows=KEY cols=KEY``: any sweep's results grouped by the overrides that vary.
 
 Each cell is ``mean ± std (n)`` over the completed runs, beside the published value, the
 difference and, where the paper printed a spread and its run count, a verdict: a two-sided
-Welch test at level :data:`LEVEL` (:func:`verdict`), counted in a closing line. Runs that
-diverged or failed, and runs the sweep should have made but did not, are counted in the
-cell's parentheses, never dropped silently. A preset's table
-counts only the runs whose fingerprint is one of its cells' (:attr:`Preset.expected`); the
-others in its folder are reported as not in the table.
+Welch test at level :data:`LEVEL` (:func:`verdict`; a tuned cell's adjusted for its
+selection, or chosen on held-apart seeds with ``tune_seeds``), optionally an equivalence
+test, all read together in closing lines (:func:`legend_of`). Runs that diverged or failed,
+and runs the sweep should have made but did not, are counted in the cell (``8 of 10; 2
+diverged``) and in the closing lines, never dropped silently. A preset's table counts only
+the runs whose fingerprint is one of its cells' (:attr:`Preset.expected`); the others in its
+folder are reported as not in the table. Runs at a toy scale or on other data get no verdict.
 """
 
 from __future__ import annotations
