@@ -174,3 +174,64 @@ def test_two_nccl_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
     code, out = run_cli(["train", *[o for o in TINY if not o.startswith("trainer.device")], *GPU_ON,
                          f"norm={norm}", "trainer.nproc=2", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
     assert code == 0, out
+
+
+# ---- ImageNet decoded on the GPU (data.decode=gpu), against the CPU. Bounds from torchvision's own
+# tests: its CUDA and CPU bilinear resizes of uint8 images agree within 1 level (test_transforms_v2.py,
+# TestResize.test_kernel_image), its tensor and PIL resizes within 1 (test_image_correctness), and
+# nvJPEG's images differ from libjpeg-turbo's by under 2 levels on average (test_image.py,
+# test_decode_jpeg_cuda).
+
+
+@pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+@pytest.mark.parametrize("aug", ["cbn", "popnorm"])
+def test_imagenet_geometry_on_cuda_equals_cpu(tmp_path: Path, aug: str) -> None:
+    """The same decoded image and draws: crops, resizes and flips on CUDA within 1 level of the CPU's."""
+    from bnexp.data.imagenet import augment_steps
+    from bnexp.data.jpeg import apply_params, decode_with_pil, draw_params, read_encoded
+    from bnexp.data.make_imagenet import write_imagenet
+
+    tree = write_imagenet(tmp_path)
+    for seed, path in enumerate(sorted(tree.root.rglob("*.JPEG"))):
+        encoded = read_encoded(str(path))
+        image = decode_with_pil(encoded.data) if encoded.jpeg else encoded.data
+        for train in (True, False):
+            steps = augment_steps({"aug": aug}, train)
+            torch.manual_seed(seed)
+            params = draw_params(steps, *encoded.size)
+            cpu, gpu = apply_params(steps, image, params), apply_params(steps, image.to(CUDA), params).cpu()
+            assert cpu.shape == gpu.shape == (3, 224, 224) and (cpu.int() - gpu.int()).abs().max() <= 1
+
+
+@pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+def test_imagenet_decoded_on_cuda_serves_the_cpu_paths_batches(tmp_path: Path) -> None:
+    """nvJPEG within torchvision's bound of the CPU decoder, and data.decode=gpu on CUDA against
+    data.decode=cpu on the CPU: the same labels, every image on average within the decoders'
+    2 levels plus the two resizers' 1 each (a crop or flip elsewhere would be tens of levels off)."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from bnexp.data import build_data
+    from bnexp.data.imagenet import STD
+    from bnexp.data.jpeg import read_encoded
+    from bnexp.data.loaders import build_loaders
+    from bnexp.data.make_imagenet import write_imagenet
+
+    tree = write_imagenet(tmp_path, train_per_class=6)
+    for path in tree.root.rglob("*.JPEG"):
+        encoded = read_encoded(str(path))
+        if encoded.jpeg:
+            on_gpu = decode_jpeg(encoded.data, mode=ImageReadMode.RGB, device=CUDA).cpu()
+            assert (on_gpu.float() - decode_jpeg(encoded.data, mode=ImageReadMode.RGB).float()).abs().mean() < 2
+    batches = {}
+    for decode, device in (("cpu", torch.device("cpu")), ("gpu", CUDA)):
+        cfg = {"name": "imagenet", "root": str(tree.root), "decode": decode, "num_workers": 0, "sampling": "shuffle",
+               "eval_batch_size": 4}
+        loaders = build_loaders(build_data(cfg), cfg, 5, 0, device.type == "cuda", device)
+        torch.manual_seed(0)
+        stream = loaders.epochs_from(0)
+        batches[decode] = [loaders.to_device(*next(stream)) for _ in range(3)] + list(loaders.test)
+    std = torch.tensor(STD).view(1, 3, 1, 1)
+    for (xa, ya), (xb, yb) in zip(batches["cpu"], batches["gpu"], strict=True):
+        assert xb.device.type == "cuda" and torch.equal(ya, yb.cpu())
+        levels = ((xa - xb.cpu()) * 255 * std).abs().mean(dim=(1, 2, 3))
+        assert (levels < 2 + 1 + 1).all(), levels

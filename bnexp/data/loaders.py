@@ -86,9 +86,11 @@ def build_loaders(bundle: DataBundle, cfg: Mapping[str, Any], batch_size: int, s
     rank on (the same images on both paths).
 
     ``data.loader`` picks the DataLoader path or the on-device one (:func:`loader_kind`).
-    The DataLoaders read what the data set's ``feed`` gives for ``device``. Both DataLoaders get their own generator (for worker seeds) so creating an iterator
-    never draws from the global RNG, from which augmentation and the training step's own
-    randomness draw (a packed run swaps in its own global state around its batches only).
+    The DataLoaders read what the data set's ``feed`` gives for ``device`` (uint8 images or
+    JPEG bytes, put on the device by ``Loaders.to_device``). Both DataLoaders get their own
+    generator (for worker seeds) so creating an iterator never draws from the global RNG,
+    from which augmentation and the training step's own randomness draw (a packed run swaps
+    in its own global state around its batches only).
     ``pin_memory`` is the caller's default; a non-null ``data.pin_memory`` overrides it.
     """
     return build_seeded_loaders(bundle, cfg, batch_size, [seed], pin_memory, device, rank, world_size, drop_last)[0]
