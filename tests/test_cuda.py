@@ -176,11 +176,12 @@ def test_two_nccl_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
     assert code == 0, out
 
 
-# ---- ImageNet decoded on the GPU (data.decode=gpu), against the CPU. Bounds from torchvision's own
-# tests: its CUDA and CPU bilinear resizes of uint8 images agree within 1 level (test_transforms_v2.py,
-# TestResize.test_kernel_image), its tensor and PIL resizes within 1 (test_image_correctness), and
-# nvJPEG's images differ from libjpeg-turbo's by under 2 levels on average (test_image.py,
-# test_decode_jpeg_cuda).
+# ---- ImageNet decoded on the GPU (data.decode=gpu), against the CPU. torchvision's CUDA resize of
+# uint8 images computes in float32 and rounds once (within 0.5 level of the exact filter), its CPU
+# one and PIL's round after each of two passes (within 1), so CUDA differs from either by at most
+# 1 level (torchvision's own tests hold CUDA and CPU to that: test_transforms_v2.py,
+# TestResize.test_kernel_image); nvJPEG's images differ from libjpeg-turbo's by under 2 levels
+# on average (torchvision's test_image.py, test_decode_jpeg_cuda).
 
 
 @pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
@@ -204,24 +205,35 @@ def test_imagenet_geometry_on_cuda_equals_cpu(tmp_path: Path, aug: str) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
-def test_imagenet_decoded_on_cuda_serves_the_cpu_paths_batches(tmp_path: Path) -> None:
-    """nvJPEG within torchvision's bound of the CPU decoder, and data.decode=gpu on CUDA against
-    data.decode=cpu on the CPU: the same labels, every image on average within the decoders'
-    2 levels plus the two resizers' 1 each (a crop or flip elsewhere would be tens of levels off)."""
+def test_nvjpeg_within_torchvisions_bound(tmp_path: Path) -> None:
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    from bnexp.data import build_data
-    from bnexp.data.imagenet import STD
     from bnexp.data.jpeg import read_encoded
+    from bnexp.data.make_imagenet import write_imagenet
+
+    jpegs = [e for e in (read_encoded(str(p)) for p in write_imagenet(tmp_path).root.rglob("*.JPEG")) if e.jpeg]
+    batched = decode_jpeg([e.data for e in jpegs], mode=ImageReadMode.RGB, device=CUDA)
+    for encoded, on_gpu in zip(jpegs, batched, strict=True):
+        on_cpu = decode_jpeg(encoded.data, mode=ImageReadMode.RGB)
+        assert on_gpu.shape == on_cpu.shape and (on_gpu.cpu().float() - on_cpu.float()).abs().mean() < 2
+
+
+@pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+def test_imagenet_decoded_on_cuda_serves_the_cpu_paths_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """data.decode=gpu training on CUDA against data.decode=cpu on the CPU, the JPEGs decoded by
+    PIL for both (nvJPEG has its own test above): the same labels, every value within 1 level."""
+    from bnexp.data import build_data, jpeg
+    from bnexp.data.imagenet import STD
     from bnexp.data.loaders import build_loaders
     from bnexp.data.make_imagenet import write_imagenet
 
+    def on_cpu_then_cuda(data, mode, device):
+        if isinstance(data, list):
+            return [jpeg.decode_with_pil(d).to(device) for d in data]
+        return jpeg.decode_with_pil(data).to(device)
+
+    monkeypatch.setattr(jpeg, "decode_jpeg", on_cpu_then_cuda)
     tree = write_imagenet(tmp_path, train_per_class=6)
-    for path in tree.root.rglob("*.JPEG"):
-        encoded = read_encoded(str(path))
-        if encoded.jpeg:
-            on_gpu = decode_jpeg(encoded.data, mode=ImageReadMode.RGB, device=CUDA).cpu()
-            assert (on_gpu.float() - decode_jpeg(encoded.data, mode=ImageReadMode.RGB).float()).abs().mean() < 2
     batches = {}
     for decode, device in (("cpu", torch.device("cpu")), ("gpu", CUDA)):
         cfg = {"name": "imagenet", "root": str(tree.root), "decode": decode, "num_workers": 0, "sampling": "shuffle",
@@ -233,5 +245,4 @@ def test_imagenet_decoded_on_cuda_serves_the_cpu_paths_batches(tmp_path: Path) -
     std = torch.tensor(STD).view(1, 3, 1, 1)
     for (xa, ya), (xb, yb) in zip(batches["cpu"], batches["gpu"], strict=True):
         assert xb.device.type == "cuda" and torch.equal(ya, yb.cpu())
-        levels = ((xa - xb.cpu()) * 255 * std).abs().mean(dim=(1, 2, 3))
-        assert (levels < 2 + 1 + 1).all(), levels
+        assert ((xa - xb.cpu()) * 255 * std).abs().max() <= 1 + 1e-3

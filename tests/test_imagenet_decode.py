@@ -26,7 +26,10 @@ from tests.conftest import read_summary, run_cli, run_dir_of
 # torchvision 0.29 deprecates its image decoders in favour of TorchCodec (docs/models_and_data.md)
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 CPU = torch.device("cpu")
-RESIZER_LEVELS = 1  # torchvision holds its tensor resize to PIL's within 1 (of 255): docs/models_and_data.md
+# PIL and torchvision's uint8 CPU resize each filter in two passes rounded to uint8 after each,
+# so each is within 1 level of the exact filter output (0.5 per rounding; their fixed-point
+# weights add far less), and they differ by at most 2 (docs/models_and_data.md has the measured share).
+RESIZER_LEVELS = 2
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +142,7 @@ def device_path(path: str, cfg: dict, train: bool, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("aug", ["cbn", "popnorm"])
 def test_pixels_differ_by_the_resizers_only(tree: Path, aug: str) -> None:
     """ImageNet-sized JPEGs at 224: the device path (CPU decoder standing in) against PIL,
-    same draws: the decoders agree exactly, the resizers within RESIZER_LEVELS."""
+    same draws: the decoders (both libjpeg-turbo) agree exactly, the resizers within RESIZER_LEVELS."""
     cfg = {"aug": aug}
     paths = sorted(str(p) for p in tree.rglob("*.JPEG"))
     for i, path in enumerate(paths):

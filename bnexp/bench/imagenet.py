@@ -5,8 +5,9 @@ Cases, each a record with ``images_per_s`` (and ``ratio``: its seconds per image
 ResNet-50 step's at the largest batch measured; below 1 the input keeps up):
 
 - ``pixels/<aug>``: the device path against the CPU path on the same draws, for the first
-  ``compare`` training images: the largest and the mean difference in uint8 levels
-  (``max_levels``, ``mean_levels``; the decoders' and resizers' difference, nothing else).
+  ``compare`` training images through the training and the validation transforms: the
+  largest and the mean difference in uint8 levels and the share of values that differ
+  (``max_levels``, ``mean_levels``, ``differing``: the decoders' and resizers' difference).
 - ``device/<aug>``: the device half alone (``JpegBatches``: decode, crop, resize, flip,
   normalize) on batches already read, the ceiling of ``data.decode=gpu`` whatever the workers.
 - ``gpu/<aug>/w<N>``: ``data.decode=gpu`` end to end with ``gpu_workers`` DataLoader
@@ -48,7 +49,8 @@ from bnexp.data.make_imagenet import write_imagenet
 DEFAULTS: dict[str, Any] = {**COMMON, "reps": 2, "root": "", "classes": 8, "per_class": 64, "batch": 64,
                             "workers": (1, 8, 16), "gpu_workers": 8, "augs": AUGS, "compare": 32,
                             "model_batches": (128, 64, 32), "budget_s": 0, "out": "results/bench/imagenet.json"}
-COLUMNS = ("name", "batch", "workers", "seconds_median", "images_per_s", "ratio", "max_levels", "mean_levels", "skipped")
+COLUMNS = ("name", "batch", "workers", "seconds_median", "images_per_s", "ratio", "max_levels", "mean_levels",
+           "differing", "skipped")
 MODEL_ESTIMATE_S = 60  # a first compiled ResNet-50 step, until one has been timed
 
 
@@ -98,26 +100,28 @@ def device_case(root: Path, aug: str, options: Mapping[str, Any], device: torch.
 
 
 def pixel_case(paths: Sequence[str], aug: str, device: torch.device) -> Record:
-    """How far the device path's training images are from the CPU path's, each image with the
-    same draws (seed = its position) in both: the largest and the mean |difference| in uint8
-    levels over ``paths``."""
-    cfg = {"aug": aug}
-    steps, pil = augment_steps(cfg, train=True), imagenet_transform(cfg, True, normalized=False)
+    """How far the device path's images are from the CPU path's, each image with the same
+    draws (seed = its position) in both, training and validation transforms: the largest
+    and the mean |difference| in uint8 levels over ``paths``, and the share of values that
+    differ at all."""
     started, differences = time.perf_counter(), []
-    for seed, path in enumerate(paths):
-        torch.manual_seed(seed)
-        with Image.open(path) as image:
-            expected = pil(image.convert("RGB")).to(device)
-        encoded = read_encoded(path)
-        torch.manual_seed(seed)
-        params = draw_params(steps, *encoded.size)
-        image = (decode_jpeg(encoded.data, mode=ImageReadMode.RGB, device=device) if encoded.jpeg
-                 else encoded.data.to(device))
-        differences.append((apply_params(steps, image, params).int() - expected.int()).abs().flatten())
+    for train in (True, False):
+        steps, pil = augment_steps({"aug": aug}, train), imagenet_transform({"aug": aug}, train, normalized=False)
+        for seed, path in enumerate(paths):
+            torch.manual_seed(seed)
+            with Image.open(path) as image:
+                expected = pil(image.convert("RGB")).to(device)
+            encoded = read_encoded(path)
+            torch.manual_seed(seed)
+            params = draw_params(steps, *encoded.size)
+            image = (decode_jpeg(encoded.data, mode=ImageReadMode.RGB, device=device) if encoded.jpeg
+                     else encoded.data.to(device))
+            differences.append((apply_params(steps, image, params).int() - expected.int()).abs().flatten())
     found = torch.cat(differences).double()
-    seconds = (time.perf_counter() - started) / len(paths)
+    seconds = (time.perf_counter() - started) / (2 * len(paths))
     return {**record(f"pixels/{aug}", "eager", device, [seconds], "cpu"), "images": len(paths),
-            "max_levels": int(found.max()), "mean_levels": round(float(found.mean()), 4)}
+            "max_levels": int(found.max()), "mean_levels": round(float(found.mean()), 4),
+            "differing": round(float((found > 0).double().mean()), 5)}
 
 
 def model_case(batch: int, options: Mapping[str, Any], device: torch.device, run_dir: Path) -> Record:
@@ -181,7 +185,7 @@ def cell(r: Record) -> str:
     if r.get("skipped"):
         return f"{r['name']} skipped"
     if "max_levels" in r:
-        return f"{r['name']} max {r['max_levels']} mean {r['mean_levels']} levels"
+        return f"{r['name']} max {r['max_levels']} mean {r['mean_levels']} levels ({r['differing']:.2%} differ)"
     return f"{r['name']} {r['images_per_s']:.0f}/s"
 
 

@@ -170,7 +170,9 @@ class JpegBatches:
         images = [None if image is None else apply_params(self.steps, image, params)
                   for image, params in zip(decoded, batch.params)]
         source = next_readable(images)
-        return self.normalized(torch.stack([images[i] for i in source]), labels[source])
+        if source != list(range(len(images))):  # an image left out: another one and its label in its place
+            images, labels = [images[i] for i in source], labels[source]
+        return self.normalized(torch.stack(images), labels)
 
     def decode(self, batch: EncodedBatch) -> list[Optional[Tensor]]:
         """Each image of ``batch`` on the device (None: unreadable and reported)."""
