@@ -181,9 +181,9 @@ class PackTrainer(Trainer):
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Each run's own batch (a frozen run's too: the pack keeps its shapes), packed."""
         for m, loaders in zip(self.members, self.loaders):
-            m.stream = loaders.epochs_from(self.state.step)
+            m.stream = (loaders.to_device(x, y) for x, y in loaders.epochs_from(self.state.step))
         while True:
-            batches = [loaders.to_device(*m.next_batch(self.swap_rng)) for m, loaders in zip(self.members, self.loaders)]
+            batches = [m.next_batch(self.swap_rng) for m in self.members]
             yield pack_inputs([x for x, _ in batches]), torch.stack([y for _, y in batches], 1)
 
     def criterion(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
