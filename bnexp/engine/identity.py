@@ -20,8 +20,9 @@ from bnexp.data.files import changed_files
 # Settings that do not change what a run computes: where it logs, how often it saves or
 # prints, how long its processes wait for each other, which device it runs on, whether it
 # trains packed with other seeds (the same computation, rounded differently), whether data
-# is downloaded and checked. A key covers its whole subtree. (data.num_workers is not one: each DataLoader worker draws its own
-# augmentation.)
+# is downloaded and checked, where ImageNet's JPEGs are decoded (the same crops and flips,
+# pixels rounded differently by the decoder and resizer). A key covers its whole subtree.
+# (data.num_workers is not one: each DataLoader worker draws its own augmentation.)
 NON_RESULT_KEYS = (
     "logger",
     "tags",
@@ -35,6 +36,7 @@ NON_RESULT_KEYS = (
     "trainer.dist_timeout",
     "data.download",
     "data.verify",
+    "data.decode",
 )
 # Settings added after runs were recorded, each at the value that computes what runs did
 # before it existed. At that value a setting is left out of the fingerprint, so a run

@@ -17,6 +17,7 @@ from annotated_types import Ge, Gt, Le, Lt
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
 
+from bnexp.data.imagenet import DECODES
 from bnexp.data.loaders import LOADERS
 from bnexp.data.sampling import SAMPLINGS
 from bnexp.engine.amp_compile import AMP_DTYPES
@@ -141,6 +142,7 @@ class DataKeys(TypedDict, total=False):
     format: str
     bad_images: str
     check_images: bool
+    decode: choice(DECODES)
 
 
 @with_config(STRICT)
