@@ -150,3 +150,16 @@ def test_the_readme_sweep_commands_as_written(tmp_path: Path, monkeypatch: pytes
     assert code == 0 and [line.split("|")[1].strip() for line in out.splitlines() if "(2)" in line] == ["relu", "tanh"]
     code, out = run_cli(plot[1:], capsys)
     assert code == 0 and all(Path(line).is_file() for line in out.split()) and "sweep.png" in out, out
+
+
+def test_plot_of_a_listing_sweep_draws_the_probes_of_its_cells(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``bnexp plot`` of an ad-hoc sweep folder finds the probes.csv of the cells it lists
+    (they train outside it, where single runs do)."""
+    monkeypatch.chdir(tmp_path)
+    code, out = run_cli(["train", "-m", *TINY, "act=relu,tanh", "probes=[loss]"], capsys)
+    assert code == 0, out
+    (folder,) = (p.parent for p in (tmp_path / "results" / "multirun").rglob(CELLS))
+    assert not list(folder.rglob("probes.csv")) and len(listed(folder)) == 2
+    code, out = run_cli(["plot", str(folder)], capsys)
+    assert code == 0 and (folder / "plots" / "probe_loss.png").is_file(), out

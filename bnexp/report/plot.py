@@ -24,11 +24,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
+from bnexp.probes.callback import PROBES_FILE  # noqa: E402
 from bnexp.probes.eta_tau import quantity_name  # noqa: E402
-from bnexp.probes.plot import literal, plot_results  # noqa: E402
+from bnexp.probes.plot import literal, plot_probes  # noqa: E402
 from bnexp.report.layouts import Layout, same  # noqa: E402
 from bnexp.report.presets import Preset, load_preset, parse_command, sweep_folder  # noqa: E402
-from bnexp.report.results import load_metrics, load_probes, load_summaries  # noqa: E402
+from bnexp.report.results import load_metrics, load_probes, load_summaries, run_dirs  # noqa: E402
 from bnexp.report.selection import choose, combos, preset_runs, select, unlike_paper, varying  # noqa: E402
 from bnexp.support.errors import ConfigError  # noqa: E402
 from bnexp.support.options import OUT_ELSEWHERE, exit_on_error, output_errors  # noqa: E402
@@ -302,6 +303,7 @@ def plot_for(args: list[str]) -> None:
         paths = plot(p, results, out, [m for m in opts["metrics"].split(",") if m],
                      [v for v in opts["rows"].split(",") if v])
     with output_errors(f"cannot write {out}", OUT_ELSEWHERE):
-        paths += plot_results(results, out, load_probes)
+        # the runs a sweep folder lists count too (an ad-hoc sweep's cells train where single runs do)
+        paths += plot_probes([d for d in run_dirs(results) if (d / PROBES_FILE).is_file()], out, load_probes)
     for path in paths:
         print(path)
