@@ -230,7 +230,9 @@ def test_readme_command_runs_in_the_default_run_directory(uninterrupted: Path) -
     summary = read_summary(uninterrupted)
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["steps"] == STEPS
     hydra_yaml = (uninterrupted / ".hydra" / "hydra.yaml").read_text()  # the launcher's, as the user ran it
-    assert RUN_DIR_ENV not in hydra_yaml and "hydra.run.dir" not in hydra_yaml
+    overrides = OmegaConf.load(uninterrupted / ".hydra" / "hydra.yaml").hydra.overrides
+    assert RUN_DIR_ENV not in hydra_yaml
+    assert not [o for o in [*overrides.hydra, *overrides.task] if o.startswith("hydra.run.dir")]
 
 
 def test_run_directory_reaches_the_ranks_whatever_its_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

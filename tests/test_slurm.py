@@ -80,16 +80,17 @@ def job_ids(where: Path) -> set[str]:
     return {p.name.split("_")[0] for p in job_folders(where)}
 
 
-def job_logs(where: Path) -> str:
-    """Every job's stdout and stderr, for a failure message."""
-    return "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for folder in job_folders(where)
+def job_logs(where: Path, tail: int = 3000) -> str:
+    """Every job's stdout and stderr (the last ``tail`` characters of each, for a failure
+    message; 0 for all of it)."""
+    return "\n".join(f"--- {log}\n{log.read_text()[-tail:]}" for folder in job_folders(where)
                      for log in sorted(folder.glob("*_log.*")))
 
 
 def submitit_says(where: Path, message: str) -> int:
     """How many times submitit logged ``message`` in the jobs' outputs (its own lines, not
     their copies through the run's console log)."""
-    return sum(line.startswith("submitit INFO") and message in line for line in job_logs(where).splitlines())
+    return sum(line.startswith("submitit INFO") and message in line for line in job_logs(where, tail=0).splitlines())
 
 
 def finish(proc: subprocess.Popen, where: Path) -> str:

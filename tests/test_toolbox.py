@@ -582,8 +582,9 @@ def test_latex_export_compiles_with_pdflatex(tmp_path: Path, capsys) -> None:
     from bnexp.report.table import LEGEND, latex
 
     tables = [latex(pd.DataFrame(PRESET_LIKE), f"CBN Table 1. {LEGEND}.")]
+    (tmp_path / "empty").mkdir()
     for name in preset_names():
-        code, out = run_cli(["table", name, f"results={tmp_path / 'none'}", "format=latex"], capsys)
+        code, out = run_cli(["table", name, f"results={tmp_path / 'empty'}", "format=latex"], capsys)
         assert code == 0 and out.startswith("\\begin{table}"), name
         tables.append(out)
     (tmp_path / "t.tex").write_text("\\documentclass{article}\\usepackage{booktabs}\\begin{document}\n"
