@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import SGD, Adam, Optimizer
 from torch.optim.lr_scheduler import ChainedScheduler, ConstantLR, LinearLR, LRScheduler, MultiStepLR
 
@@ -46,11 +46,56 @@ def build_optimizer(model: nn.Module, cfg: Mapping[str, Any]) -> Optimizer:
     if cfg["name"] == "adam":
         optimizer: Optimizer = Adam(groups, lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["eps"])
     else:
-        optimizer = SGD(groups, lr=cfg["lr"], momentum=cfg.get("momentum", 0.0),
-                        nesterov=bool(cfg.get("nesterov", False)))
+        optimizer = DeviceLrSGD(groups, lr=cfg["lr"], momentum=cfg.get("momentum", 0.0),
+                                nesterov=bool(cfg.get("nesterov", False)))
     if len(groups) > 2:
         optimizer.register_step_pre_hook(pull_to_targets)
     return optimizer
+
+
+class DeviceLrSGD(SGD):
+    """torch.optim.SGD whose step can run inside a CUDA graph: with :attr:`device_lr` set (a
+    float64 tensor on the parameters' device holding one learning rate per group, updated in
+    place by :class:`bnexp.engine.step.TrainStep`), each group's rate is read there instead of
+    from ``group["lr"]`` (torch's SGD reads a tensor rate on the host with ``.item()``), and
+    the update is torch's single-tensor SGD, decay and momentum as multi-tensor calls of the
+    same operations and the last one as ``param.addcmul_(d_p, lr, value=-1)``, which on the
+    CPU rounds as torch's ``param.add_(d_p, alpha=-lr)`` does (one rounding; a product
+    ``d_p * lr`` formed first would round twice). Unset, the step is torch's own."""
+
+    device_lr: Optional[Tensor] = None
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        if self.device_lr is None:
+            return super().step(closure)
+        for group, lr in zip(self.param_groups, self.device_lr.unbind()):
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._update(group, params, lr.to(params[0].dtype))
+        return None
+
+    def _update(self, group: dict[str, Any], params: list[Tensor], lr: Tensor) -> None:
+        """torch's SGD step for one group (no ``maximize``), its rate the 0-d tensor ``lr``."""
+        if group["maximize"]:
+            raise ValueError("DeviceLrSGD does not implement maximize=True")
+        grads = [p.grad for p in params]
+        if group["weight_decay"] != 0:
+            grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+        momentum = group["momentum"]
+        if momentum != 0:
+            states = [self.state[p] for p in params]
+            if any("momentum_buffer" not in s for s in states):  # the first step: buffers start as the gradient
+                for s, g in zip(states, grads):
+                    s["momentum_buffer"] = g.detach().clone()
+                bufs = [s["momentum_buffer"] for s in states]
+            else:
+                bufs = [s["momentum_buffer"] for s in states]
+                torch._foreach_mul_(bufs, momentum)
+                torch._foreach_add_(bufs, grads, alpha=1 - group["dampening"])
+            grads = torch._foreach_add(grads, bufs, alpha=momentum) if group["nesterov"] else bufs
+        for p, d_p in zip(params, grads):
+            p.addcmul_(d_p, lr, value=-1)  # rounded as p.add_(d_p, alpha=-lr) (a multi-tensor d_p * lr is not)
 
 
 def affine_decay_groups(model: nn.Module, rest: dict[str, Any]) -> list[dict[str, Any]]:

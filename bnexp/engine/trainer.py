@@ -4,7 +4,7 @@ configs to each run's metrics.csv, checkpoints and summary.json.
 A :class:`Trainer` holds K members (one per run directory; K = 1 for a run alone, the path
 :func:`train` takes) around one model, optimizer and schedule. Read :meth:`Trainer.run` and
 :meth:`Trainer.train_steps` top to bottom: resume from the newest checkpoint if there is one;
-loop over steps (next batch, forward, backward, hooks, optimizer step: :func:`train_step`);
+loop over steps (batch, forward, backward, hooks, optimizer step: :class:`bnexp.engine.step.TrainStep`);
 check the training loss every ``trainer.log_every`` steps (a member whose loss is not finite
 diverged: a run alone stops there), write each member's evaluation row every
 ``trainer.eval_every`` and its checkpoint every ``trainer.checkpoint_every``; on a preemption
@@ -46,6 +46,7 @@ from bnexp.engine.method_hooks import method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule, to_steps
 from bnexp.engine.preemption import Preempted, PreemptionGuard
 from bnexp.engine.schema import RESUME_MODES
+from bnexp.engine.step import TrainStep, cuda_graph_wanted
 from bnexp.models import build_model, count_parameters
 from bnexp.models.packing import pack_inputs, per_run
 from bnexp.nn.create_norm import uses_batch_statistics
@@ -99,17 +100,15 @@ def pad_batch(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 class TrainMeter:
-    """Sums loss and correct predictions on the device (five small kernels a step, no sync;
-    the count of images stays on the host); read (one sync) when reported. One row of sums
-    per run of a packed model (``runs``)."""
+    """Sums loss, correct predictions and images on the device, in place (six small kernels a
+    step, no sync); read (one sync) when reported. One row of sums per run of a packed model
+    (``runs``)."""
 
     def __init__(self, device: torch.device, runs: int = 1) -> None:
-        self.sums = torch.zeros(runs, 3, device=device, dtype=torch.float64)  # loss*n, correct, n (filled on read)
-        self.count = 0
+        self.sums = torch.zeros(runs, 3, device=device, dtype=torch.float64)  # loss*n, correct, n
 
     def reset(self) -> None:
         self.sums.zero_()
-        self.count = 0
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
         """A step's mean loss (one per run), logits (``(N, runs * classes)``) and targets
@@ -117,11 +116,10 @@ class TrainMeter:
         n, runs = len(y), len(self.sums)
         self.sums[:, 0].add_(loss.reshape(runs), alpha=n)  # in float64
         self.sums[:, 1].add_(per_run(logits, runs).argmax(dim=2).eq(y.view(n, runs)).sum(0))
-        self.count += n
+        self.sums[:, 2].add_(n)
 
     def state(self) -> torch.Tensor:
         """``[loss * n, correct, n]`` per run summed since the last reset (for checkpoints and reads)."""
-        self.sums[:, 2].fill_(self.count)
         return self.sums
 
     def load(self, sums: Sequence[torch.Tensor], rank: int = 0) -> None:
@@ -130,7 +128,6 @@ class TrainMeter:
         own; or, in checkpoints written before, one row (a pack's) or 3 values (a run's from
         before packing existed)."""
         self.sums.copy_(torch.cat([s[rank] if s.dim() == 3 else s.view(1, 3) for s in sums]))
-        self.count = int(self.sums[0, 2])
 
     def read_runs(self) -> list[tuple[float, float]]:
         """(mean loss, accuracy in percent) per run over all processes since the last reset;
@@ -309,16 +306,16 @@ class Trainer:
         log_every = int(cfg.log_every)
         clock = CheckpointClock(cfg.checkpoint_every, cfg.checkpoint_unit, state.steps_per_epoch, log_every)
         state.model.train()
-        batches = self.batches()
+        step = TrainStep(state, self.net, self.meter, self.callbacks, self.criterion, self.loaders, self.batches,
+                         graph=cuda_graph_wanted(state, self.net, self.callbacks))
         runs = len(self.members)
         bar = tqdm(total=state.total_steps, initial=state.step, desc="train" if runs == 1 else f"train x{runs}",
                    disable=not sys.stderr.isatty(), dynamic_ncols=True)
         lr = state.lr
         while state.step < state.total_steps:
-            x, y = next(batches)
             lr = state.lr
-            logits, loss = train_step(self.net, state.optimizer, self.callbacks, state, x, y, self.criterion)
-            last = end_step(state, self.meter, self.callbacks, loss, logits, y, bar)
+            step.run()
+            last = end_step(state, self.callbacks, bar)
             if state.step % log_every == 0 or state.step % eval_every == 0 or last:
                 train = self.check_losses(lr)
                 if not self.running():
@@ -500,12 +497,15 @@ def train_step(net: AmpCompileWrapper, optimizer: torch.optim.Optimizer, callbac
                x: torch.Tensor, y: torch.Tensor,
                criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimization step on ``(x, y)``: callbacks around forward, loss, backward and update.
+    """One optimization step on ``(x, y)``: callbacks around forward, loss, backward and update,
+    at the learning rates of the optimizer's groups (host floats).
 
     Returns the logits and the loss: ``criterion``'s, the mean cross-entropy, or for a packed
     model one mean loss per run, whose sum is differentiated (each run's gradient is its
-    own). The learning-rate schedule, buffer averaging and the step count are the caller's
-    (``bnexp bench step`` times exactly this function).
+    own). The learning-rate schedule, buffer averaging and the step count are the caller's.
+    This is the step as the loop took it before :class:`bnexp.engine.step.TrainStep`, which
+    computes the same bits (tests/test_step.py); ``bnexp bench step`` and ``bench graph``
+    time it as "today's" step.
     """
     for cb in callbacks:
         cb.before_step(state)
@@ -519,14 +519,13 @@ def train_step(net: AmpCompileWrapper, optimizer: torch.optim.Optimizer, callbac
     return logits, loss
 
 
-def end_step(state: TrainState, meter: TrainMeter, callbacks: list[Callback], loss: torch.Tensor,
-             logits: torch.Tensor, y: torch.Tensor, bar: tqdm) -> bool:
-    """After a training step: the lr schedule, buffer averaging (under torchrun), the step
-    count, the meter and the hooks' ``after_step``. Whether it was the last step."""
+def end_step(state: TrainState, callbacks: list[Callback], bar: tqdm) -> bool:
+    """After a training step (:class:`bnexp.engine.step.TrainStep`): the lr schedule, buffer
+    averaging (under torchrun), the step count and the hooks' ``after_step``. Whether it was
+    the last step."""
     state.scheduler.step()
     distributed.average_buffers(state.model)
     state.step += 1
-    meter.add(loss.detach(), logits.detach(), y)
     for cb in callbacks:
         cb.after_step(state)
     bar.update(1)
