@@ -20,13 +20,15 @@ from bnexp.data.files import changed_files
 # Settings that do not change what a run computes: where it logs, how often it saves or
 # prints, how long its processes wait for each other, which device it runs on, whether it
 # trains packed with other seeds (the same computation, rounded differently), whether data
-# is downloaded and checked. A key covers its whole subtree. (data.num_workers is not one: each DataLoader worker draws its own
+# is downloaded and checked, whether the step is replayed as a CUDA graph (the same bits). A
+# key covers its whole subtree. (data.num_workers is not one: each DataLoader worker draws its own
 # augmentation.)
 NON_RESULT_KEYS = (
     "logger",
     "tags",
     "trainer.resume",
     "trainer.pack",
+    "trainer.cuda_graph",
     "trainer.device",
     "trainer.log_every",
     "trainer.checkpoint_every",

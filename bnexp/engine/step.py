@@ -101,6 +101,12 @@ def graph_obstacles(state: TrainState, net: AmpCompileWrapper, callbacks: Sequen
     return found
 
 
+def step_batches(loaders: Sequence[Any], host: Callable[[], Iterator[Batch]]) -> Iterator[Batch] | PackedEpochs:
+    """What a step takes its batches from: every member's draws when its loaders are on the
+    device (``data.loader=device``), else the batches ``host()`` yields (the DataLoader path)."""
+    return PackedEpochs([loader.train for loader in loaders]) if loaders[0].kind == "device" else host()
+
+
 def cuda_graph_wanted(state: TrainState, net: AmpCompileWrapper, callbacks: Sequence[Callback]) -> bool:
     """``trainer.cuda_graph``, where the step can be captured; where it cannot, one line says
     why and the run takes the plain step, which computes the same numbers."""
@@ -117,27 +123,28 @@ class TrainStep:
     """One training step of ``state``'s model (see the module's docstring), called by the
     trainer's loop; ``graph`` captures it as a CUDA graph (:func:`graph_obstacles` must be
     empty). ``callbacks`` is the trainer's live list of hooks (a member's leave it as it ends);
-    ``host_batches`` makes the batch iterator of the DataLoader path, used unless the
-    loaders are on the device."""
+    ``batches`` the batches on the device from the current step on, or the draws they are
+    gathered from (:func:`step_batches`)."""
 
     def __init__(self, state: TrainState, net: AmpCompileWrapper, meter: Any, callbacks: list[Callback],
-                 criterion: Callable[[Tensor, Tensor], Tensor], loaders: Sequence[Any],
-                 host_batches: Callable[[], Iterator[Batch]], graph: bool = False) -> None:
+                 criterion: Callable[[Tensor, Tensor], Tensor], batches: Iterator[Batch] | PackedEpochs,
+                 graph: bool = False) -> None:
         self.state, self.net, self.meter, self.callbacks, self.criterion = state, net, meter, callbacks, criterion
         device = state.device
-        self.plan = PackedEpochs([l.train for l in loaders]) if loaders[0].kind == "device" else None
-        self.host = host_batches() if self.plan is None else None
+        self.plan = batches if isinstance(batches, PackedEpochs) else None
+        self.host = None if self.plan is not None else batches
         self.lr = torch.zeros(len(state.optimizer.param_groups), dtype=torch.float64, device=device)
         self.table = torch.zeros(state.steps_per_epoch, len(self.lr), dtype=torch.float64, device=device)
         self.position = torch.zeros((), dtype=torch.long, device=device)  # the step's batch in its epoch
         state.device_lr = self.lr
         self.device_update = isinstance(state.optimizer, DeviceLrSGD) and not net.scaler.is_enabled()
         if self.device_update:
-            state.optimizer.device_lr = self.lr
+            state.optimizer.prepare_device_step()
         self.compiled_update: Optional[Callable[[], Any]] = None
         self.ahead = LrAhead(state.scheduler, state.optimizer)
         self.epoch_end = state.step  # the step at which the next epoch's rates and draws are due
         self.buffers = [(m, name) for m in state.model.modules() for name in m._buffers]
+        self.params = [p for group in state.optimizer.param_groups for p in group["params"]]
         self.graphs = StepGraphs(self.body) if graph else None
 
     def run(self) -> None:
@@ -184,8 +191,13 @@ class TrainStep:
         before = [m._buffers[name] for m, name in self.buffers]
         logits = self.net(x)
         loss = self.criterion(logits, y)
-        state.optimizer.zero_grad(set_to_none=True)
-        self.net.backward(loss.sum() if loss.dim() else loss, state.optimizer)
+        for p in self.params:  # optimizer.zero_grad(set_to_none=True), which torch.compile does not trace
+            p.grad = None
+        total = loss.sum() if loss.dim() else loss
+        if self.device_update:  # no loss scale (trainer.amp is not fp16): the wrapper's backward is this
+            total.backward()
+        else:
+            self.net.backward(total, state.optimizer)
         self.restore_buffers(before)
         for cb in self.callbacks:
             cb.after_backward(state)
@@ -210,11 +222,11 @@ class TrainStep:
         if not self.device_update:
             self.net.step(optimizer)
         elif self.compiled_update is not None:
-            self.compiled_update()
+            self.compiled_update(self.lr)
         else:
             if self.net.compiled and not AmpCompileWrapper._creates_state(optimizer):
-                self.compiled_update = torch.compile(optimizer.step)
-            optimizer.step()
+                self.compiled_update = torch.compile(optimizer.device_step)
+            optimizer.device_step(self.lr)
 
 
 class StepGraphs:

@@ -24,6 +24,7 @@ import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -35,18 +36,20 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from bnexp.data import DataBundle, build_data, data_identity
+from bnexp.data.device import EvalBatches
 from bnexp.data.loaders import Loaders, build_seeded_loaders, drop_last
 from bnexp.engine import checkpoint
 from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import Callback, TrainState, ended_on_stop
 from bnexp.engine.config import validate
+from bnexp.engine.evaluation import DeviceEvaluation, test_rows
 from bnexp.engine.identity import fingerprint, run_differences
 from bnexp.engine.loggers import logger_callback
 from bnexp.engine.method_hooks import method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule, to_steps
 from bnexp.engine.preemption import Preempted, PreemptionGuard
 from bnexp.engine.schema import RESUME_MODES
-from bnexp.engine.step import TrainStep, cuda_graph_wanted
+from bnexp.engine.step import TrainStep, cuda_graph_wanted, step_batches
 from bnexp.models import build_model, count_parameters
 from bnexp.models.packing import pack_inputs, per_run
 from bnexp.nn.create_norm import uses_batch_statistics
@@ -82,15 +85,7 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, num_cla
             sums[run, 1:] += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum()]).double()
         count += len(y)
     model.train(was_training)
-    totals = sum_over_ranks(torch.cat([sums.flatten(), sums.new_tensor([count])])).tolist()
-    count = totals.pop()
-    rows = []
-    for loss_sum, top1, topk in zip(totals[0::3], totals[1::3], totals[2::3]):
-        row = {"test_loss": loss_sum / count, "test_acc": 100 * top1 / count}
-        if k == 5:
-            row["test_top5"] = 100 * topk / count
-        rows.append(row)
-    return rows
+    return test_rows(sums, count, k)
 
 
 def pad_batch(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -221,6 +216,11 @@ class Trainer:
         self.shared = list(shared)
         self.callbacks = [*self.shared, *(cb for m in self.running() for cb in m.callbacks)]
         self.meter = TrainMeter(state.device, len(members))
+        self.graphed = cuda_graph_wanted(state, net, self.callbacks)  # trainer.cuda_graph, where it can be had
+        test = loaders[0].test
+        self.test_metrics = (DeviceEvaluation(net, test, num_classes, len(members), self.graphed)
+                             if isinstance(test, EvalBatches) else
+                             partial(evaluate, net, test, state.device, num_classes, len(members)))
         self.elapsed_before = 0.0  # seconds trained before the latest resume
         self.started = time.perf_counter()
 
@@ -306,8 +306,8 @@ class Trainer:
         log_every = int(cfg.log_every)
         clock = CheckpointClock(cfg.checkpoint_every, cfg.checkpoint_unit, state.steps_per_epoch, log_every)
         state.model.train()
-        step = TrainStep(state, self.net, self.meter, self.callbacks, self.criterion, self.loaders, self.batches,
-                         graph=cuda_graph_wanted(state, self.net, self.callbacks))
+        step = TrainStep(state, self.net, self.meter, self.callbacks, self.criterion,
+                         step_batches(self.loaders, self.batches), self.graphed)
         runs = len(self.members)
         bar = tqdm(total=state.total_steps, initial=state.step, desc="train" if runs == 1 else f"train x{runs}",
                    disable=not sys.stderr.isatty(), dynamic_ncols=True)
@@ -347,7 +347,7 @@ class Trainer:
         if only is None:
             self.meter.reset()
         s = self.state
-        tests = evaluate(self.net, self.loaders[0].test, s.device, self.num_classes, len(self.members))
+        tests = self.test_metrics()
         for m, run_train, test in zip(self.members, train, tests):
             if m is not only and (only is not None or m.status != "running"):
                 continue
