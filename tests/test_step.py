@@ -25,7 +25,7 @@ from bnexp.engine.step import HostUse, TrainStep
 from bnexp.engine.trainer import TrainMeter, evaluate, train, train_step
 from bnexp.models import DataSpec, build_model
 from bnexp.models.packing import pack_inputs, pack_models, packed_losses
-from bnexp.nn import CBN2d, BatchRenorm2d, FourThingsBN2d
+from bnexp.nn import BatchRenorm2d, CBN2d, FourThingsBN2d
 from bnexp.support.runinfo import seed_everything
 from tests.conftest import TINY, compose_cfg, read_metrics
 
@@ -49,26 +49,27 @@ class Pack:
     """A pack of :data:`RUNS` ResNet-20s with the trainer's optimizer, schedule, method hooks
     and frozen-run mask, and :data:`STEPS` batches of its own, NaN in run 1 at :data:`NAN_AT`."""
 
-    def __init__(self, norm: str, dtype: torch.dtype, tmp_path: Path) -> None:
+    def __init__(self, norm: str, dtype: torch.dtype, tmp_path: Path, device: torch.device = CPU) -> None:
         cfg = compose_cfg([*PROTOCOL, f"norm={norm}", *NORMS[norm]])
         models = []
         for run in range(RUNS):
             seed_everything(run)
-            models.append(build_model(cfg.model, cfg.norm, cfg.act.name, SPEC).to(dtype))
+            models.append(build_model(cfg.model, cfg.norm, cfg.act.name, SPEC).to(device, dtype))
         self.model = pack_models(models)
-        self.net = AmpCompileWrapper(self.model, CPU)
+        self.net = AmpCompileWrapper(self.model, device)
         optimizer = build_optimizer(self.model, cfg.optim)
         scheduler = build_schedule(optimizer, cfg.schedule, STEPS_PER_EPOCH)
-        self.state = TrainState(cfg, tmp_path, CPU, self.model, optimizer, scheduler, STEPS_PER_EPOCH, STEPS)
-        self.freezer = FreezeDiverged(RUNS)
+        self.state = TrainState(cfg, tmp_path, device, self.model, optimizer, scheduler, STEPS_PER_EPOCH, STEPS)
+        self.freezer = FreezeDiverged(RUNS, device)
         self.callbacks = [*(cb for cb in method_callbacks(cfg) if not isinstance(cb, WeightNormLog)), self.freezer]
         for cb in self.callbacks:
             cb.on_train_start(self.state)
-        self.meter = TrainMeter(CPU, RUNS)
+        self.meter = TrainMeter(device, RUNS)
         g = torch.Generator().manual_seed(7)
         self.data = [(torch.randn(8, 3 * RUNS, 8, 8, generator=g, dtype=dtype) * 2 + 0.5,
                       torch.randint(10, (8, RUNS), generator=g)) for _ in range(STEPS)]
         self.data[NAN_AT][0][:, 3:] = float("nan")
+        self.data = [(x.to(device), y.to(device)) for x, y in self.data]
         self.rates: list[float] = []
 
     def criterion(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -131,7 +132,7 @@ def audit(pack: Pack, step: Callable[[torch.Tensor, torch.Tensor], None]) -> lis
     """What :class:`HostUse` finds in steps 1-4 of ``pack`` (the warmup's rates change each
     step, until step 3), after a first step that creates the momentum."""
     pack.train(step, range(1))
-    mode = HostUse(CPU)
+    mode = HostUse(pack.state.device)
     with mode:
         for s in range(1, 5):
             mode.step()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
+import weakref
 from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
@@ -280,8 +281,9 @@ HOST_DATA = ("lift_fresh", "lift_fresh_copy")  # a tensor made from host data (t
 
 class HostUse(TorchDispatchMode):
     """Records what the ops run inside it ask of the host: reads of device values, tensors
-    made from host data, CPU tensors among the operands when ``device`` is not the CPU, and
-    each op's non-tensor arguments (:meth:`step` starts a new step's record), so that
+    made from host data, CPU tensors among the operands when ``device`` is not the CPU (but
+    the scalars an op makes of a Python number, whose value is recorded), and each op's
+    non-tensor arguments (:meth:`step` starts a new step's record), so that
     :meth:`problems` can also name a host value that differs between steps (a value a CUDA
     graph would have baked in), such as a learning rate passed as a Python float."""
 
@@ -290,6 +292,7 @@ class HostUse(TorchDispatchMode):
         self.device = device
         self.found: list[str] = []
         self.steps: list[list[tuple[str, str]]] = []
+        self.scalars: weakref.WeakSet[Tensor] = weakref.WeakSet()  # CPU scalars made here from recorded host values
 
     def step(self) -> None:
         self.steps.append([])
@@ -302,11 +305,15 @@ class HostUse(TorchDispatchMode):
         if name in HOST_DATA:
             self.found.append(f"{func}: a tensor made from host data")
         flat = [*args, *kwargs.values()]
-        if self.device.type != "cpu" and any(isinstance(a, Tensor) and a.device.type == "cpu" for a in flat):
+        if self.device.type != "cpu" and any(isinstance(a, Tensor) and a.device.type == "cpu" and a not in self.scalars
+                                             for a in flat):
             self.found.append(f"{func}: a CPU tensor among its operands")
         if self.steps:
             self.steps[-1].append((str(func), repr([_host_value(a) for a in flat])))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if name == "scalar_tensor":  # a Python number made a tensor by the op that reads it (torch.where(c, 0.0, x))
+            self.scalars.add(out)
+        return out
 
     def problems(self) -> list[str]:
         """Everything found, then the first op whose host values differ between two recorded steps."""
