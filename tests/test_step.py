@@ -21,8 +21,8 @@ from bnexp.engine.evaluation import DeviceEvaluation
 from bnexp.engine.method_hooks import AmatLearningRate, BnpPreconditioner, WeightNormLog, method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule
 from bnexp.engine.pack import FreezeDiverged
-from bnexp.engine.step import HostUse, TrainStep
-from bnexp.engine.trainer import TrainMeter, evaluate, train, train_step
+from bnexp.engine.step import HostUse, TrainMeter, TrainStep
+from bnexp.engine.trainer import evaluate, train, train_step
 from bnexp.models import DataSpec, build_model
 from bnexp.models.packing import pack_inputs, pack_models, packed_losses
 from bnexp.nn import BatchRenorm2d, CBN2d, FourThingsBN2d

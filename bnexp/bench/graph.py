@@ -46,8 +46,8 @@ from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import TrainState
 from bnexp.engine.evaluation import DeviceEvaluation
 from bnexp.engine.optim import build_optimizer, build_schedule
-from bnexp.engine.step import WARMUP, TrainStep, step_batches
-from bnexp.engine.trainer import TrainMeter, build_callbacks, evaluate, train_step
+from bnexp.engine.step import WARMUP, TrainMeter, TrainStep, step_batches
+from bnexp.engine.trainer import build_callbacks, evaluate, train_step
 from bnexp.models import build_model
 from bnexp.support.runinfo import atomic_write, configure_backends, seed_everything
 
@@ -100,8 +100,8 @@ def build_case(cfg: DictConfig, bundle: DataBundle, device: torch.device, kind: 
         return ((x.to(device), y.to(device)) for x, y in loaders.epochs_from(0))
 
     if kind in TODAY:
-        work = bare_step(model, optimizer, batches()) if kind == "bare" else todays_step(net, state, callbacks, meter,
-                                                                                           batches())
+        work = bare_step(net, optimizer, batches()) if kind == "bare" else todays_step(net, state, callbacks, meter,
+                                                                                         batches())
         evaluation: Callable[[], Any] = partial(evaluate, net, loaders.test, device, classes)
     else:
         graph = "graph" in kind
@@ -128,12 +128,15 @@ def todays_step(net: AmpCompileWrapper, state: TrainState, callbacks: list, mete
     return step
 
 
-def bare_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Any) -> Callable[[], None]:
-    """A plain PyTorch training step (torch's SGD step; the schedule is the caller's)."""
+def bare_step(net: AmpCompileWrapper, optimizer: torch.optim.Optimizer, batches: Any) -> Callable[[], None]:
+    """A plain PyTorch training step of ``net``'s model under its autocast (torch's SGD step;
+    the schedule is the caller's)."""
     def step() -> None:
         x, y = next(batches)
         optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        with torch.autocast(net.device_type, dtype=net.dtype, enabled=net.dtype is not None):
+            logits = net.model(x)
+        F.cross_entropy(logits.float(), y).backward()
         optimizer.step()
     return step
 

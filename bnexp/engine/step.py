@@ -47,6 +47,8 @@ from bnexp.data.device import PackedEpochs
 from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import Callback, TrainState
 from bnexp.engine.optim import DeviceLrSGD
+from bnexp.models.packing import per_run
+from bnexp.support.distributed import sum_over_ranks
 
 log = logging.getLogger("bnexp.train")
 
@@ -120,6 +122,43 @@ def cuda_graph_wanted(state: TrainState, net: AmpCompileWrapper, callbacks: Sequ
     return not obstacles
 
 
+class TrainMeter:
+    """Sums loss, correct predictions and images on the device, in place (six small kernels a
+    step, no sync); read (one sync) when reported. One row of sums per run of a packed model
+    (``runs``)."""
+
+    def __init__(self, device: torch.device, runs: int = 1) -> None:
+        self.sums = torch.zeros(runs, 3, device=device, dtype=torch.float64)  # loss*n, correct, n
+
+    def reset(self) -> None:
+        self.sums.zero_()
+
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
+        """A step's mean loss (one per run), logits (``(N, runs * classes)``) and targets
+        (``(N,)``, or ``(N, runs)`` for a pack)."""
+        n, runs = len(y), len(self.sums)
+        self.sums[:, 0].add_(loss.reshape(runs), alpha=n)  # in float64
+        self.sums[:, 1].add_(per_run(logits, runs).argmax(dim=2).eq(y.view(n, runs)).sum(0))
+        self.sums[:, 2].add_(n)
+
+    def state(self) -> torch.Tensor:
+        """``[loss * n, correct, n]`` per run summed since the last reset (for checkpoints and reads)."""
+        return self.sums
+
+    def load(self, sums: Sequence[torch.Tensor], rank: int = 0) -> None:
+        """Each run's sums as its checkpoint holds them: one block per process
+        (``(processes, 1, 3)``, :meth:`Trainer.payloads`) of which process ``rank`` takes its
+        own; or, in checkpoints written before, one row (a pack's) or 3 values (a run's from
+        before packing existed)."""
+        self.sums.copy_(torch.cat([s[rank] if s.dim() == 3 else s.view(1, 3) for s in sums]))
+
+    def read_runs(self) -> list[tuple[float, float]]:
+        """(mean loss, accuracy in percent) per run over all processes since the last reset;
+        NaN if non-finite."""
+        sums = sum_over_ranks(self.state().clone()).tolist()
+        return [(loss_sum / n, 100 * correct / n) if n else (float("nan"), float("nan")) for loss_sum, correct, n in sums]
+
+
 class TrainStep:
     """One training step of ``state``'s model (see the module's docstring), called by the
     trainer's loop; ``graph`` captures it as a CUDA graph (:func:`graph_obstacles` must be
@@ -127,7 +166,7 @@ class TrainStep:
     ``batches`` the batches on the device from the current step on, or the draws they are
     gathered from (:func:`step_batches`)."""
 
-    def __init__(self, state: TrainState, net: AmpCompileWrapper, meter: Any, callbacks: list[Callback],
+    def __init__(self, state: TrainState, net: AmpCompileWrapper, meter: TrainMeter, callbacks: list[Callback],
                  criterion: Callable[[Tensor, Tensor], Tensor], batches: Iterator[Batch] | PackedEpochs,
                  graph: bool = False) -> None:
         self.state, self.net, self.meter, self.callbacks, self.criterion = state, net, meter, callbacks, criterion

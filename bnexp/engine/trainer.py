@@ -49,13 +49,13 @@ from bnexp.engine.method_hooks import method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule, to_steps
 from bnexp.engine.preemption import Preempted, PreemptionGuard
 from bnexp.engine.schema import RESUME_MODES
-from bnexp.engine.step import TrainStep, cuda_graph_wanted, step_batches
+from bnexp.engine.step import TrainMeter, TrainStep, cuda_graph_wanted, step_batches
 from bnexp.models import build_model, count_parameters
 from bnexp.models.packing import pack_inputs, per_run
 from bnexp.nn.create_norm import uses_batch_statistics
 from bnexp.probes.callback import probes_callback
 from bnexp.support import distributed
-from bnexp.support.distributed import Dist, gather_objects, max_over_ranks, sum_over_ranks
+from bnexp.support.distributed import Dist, gather_objects, max_over_ranks
 from bnexp.support.errors import ConfigError, OtherRunThere
 from bnexp.support.runinfo import MetricsWriter, configure_backends, resolve_device, seed_everything, version_stamp, write_json
 
@@ -92,43 +92,6 @@ def pad_batch(x: torch.Tensor, size: int) -> torch.Tensor:
     """``x`` with zero images appended up to ``size``: a compiled model in eval mode (each
     image on its own) then runs every evaluation batch through one graph."""
     return x if len(x) == size else torch.cat([x, x.new_zeros(size - len(x), *x.shape[1:])])
-
-
-class TrainMeter:
-    """Sums loss, correct predictions and images on the device, in place (six small kernels a
-    step, no sync); read (one sync) when reported. One row of sums per run of a packed model
-    (``runs``)."""
-
-    def __init__(self, device: torch.device, runs: int = 1) -> None:
-        self.sums = torch.zeros(runs, 3, device=device, dtype=torch.float64)  # loss*n, correct, n
-
-    def reset(self) -> None:
-        self.sums.zero_()
-
-    def add(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
-        """A step's mean loss (one per run), logits (``(N, runs * classes)``) and targets
-        (``(N,)``, or ``(N, runs)`` for a pack)."""
-        n, runs = len(y), len(self.sums)
-        self.sums[:, 0].add_(loss.reshape(runs), alpha=n)  # in float64
-        self.sums[:, 1].add_(per_run(logits, runs).argmax(dim=2).eq(y.view(n, runs)).sum(0))
-        self.sums[:, 2].add_(n)
-
-    def state(self) -> torch.Tensor:
-        """``[loss * n, correct, n]`` per run summed since the last reset (for checkpoints and reads)."""
-        return self.sums
-
-    def load(self, sums: Sequence[torch.Tensor], rank: int = 0) -> None:
-        """Each run's sums as its checkpoint holds them: one block per process
-        (``(processes, 1, 3)``, :meth:`Trainer.payloads`) of which process ``rank`` takes its
-        own; or, in checkpoints written before, one row (a pack's) or 3 values (a run's from
-        before packing existed)."""
-        self.sums.copy_(torch.cat([s[rank] if s.dim() == 3 else s.view(1, 3) for s in sums]))
-
-    def read_runs(self) -> list[tuple[float, float]]:
-        """(mean loss, accuracy in percent) per run over all processes since the last reset;
-        NaN if non-finite."""
-        sums = sum_over_ranks(self.state().clone()).tolist()
-        return [(loss_sum / n, 100 * correct / n) if n else (float("nan"), float("nan")) for loss_sum, correct, n in sums]
 
 
 def total_steps(cfg: DictConfig, steps_per_epoch: int) -> int:
