@@ -102,7 +102,7 @@ def test_gpu_check_plans_every_check_and_summarizes_them() -> None:
     assert {"trainer.amp=bf16", "trainer.channels_last=true", "trainer.compile=true", "norm=cbn"} <= set(
         plan["resnet20-cbn"])
     report = {"date": "2026-11-23", "device": "NVIDIA H100", "torch": "2.11.0", "cuda": "13.0", "python": "3.12",
-              "checks": [{"name": "tests", "ok": True, "seconds": 60.0, "budget_s": 120},
+              "checks": [{"name": "tests", "ok": True, "seconds": 60.0, "budget_s": 140},
                          {"name": "bench-run", "ok": False, "seconds": 300.0, "budget_s": 60}],
               "extrapolated_minutes": {"bn": 1.9},
               "benchmarks": {"bench-run": [{"name": "run", "mode": "eager", "seconds_median": 2.0, "ratio": 1.1}],
@@ -111,7 +111,7 @@ def test_gpu_check_plans_every_check_and_summarizes_them() -> None:
                                             {"name": "bn", "amp": "bf16", "mode": "graph", "ms_per_step": 1.61,
                                              "images_per_s": 79503.1, "gpu_busy": 0.93, "projected_minutes": 1.3}]}}
     text = markdown(report)
-    assert "| tests | pass | 60.0 | 120 |" in text and "| bench-run | FAIL | 300.0 | 60 |" in text
+    assert "| tests | pass | 60.0 | 140 |" in text and "| bench-run | FAIL | 300.0 | 60 |" in text
     assert "ResNet-20 bn, CIFAR-10-sized, 120 epochs (bf16, channels_last, compile): 1.9 minutes" in text
     assert "| run | eager | 2.0 | 1.1 |" in text
     assert "| bn | bf16 | replayed vs plain | 24 | 0 |" in text and "| bn | bf16 | graph | 1.61 | 79503 | 93% | 1.30 |" in text

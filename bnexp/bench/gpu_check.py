@@ -81,8 +81,8 @@ def short_run(name: str, *args: str) -> tuple[str, ...]:
 
 
 SECTIONS = (
-    Section("tests", (sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *TESTS), 120, gpu=False),
-    Section("step-graph", bench("step-graph", "graph", "reps=3", "number=20"), 210),
+    Section("tests", (sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *TESTS), 140, gpu=False),
+    Section("step-graph", bench("step-graph", "graph", "reps=3", "number=10"), 190),
     Section("table-cost", (), 150),  # issue 36: a paper table's cost and the pack strategies
     Section("imagenet-input", (), 120),  # issue 37: ImageNet input at the GPUs' pace
     Section("bench-norms", bench("bench-norms", "norms", "nets=resnet20", "reps=3"), 90, default=False),

@@ -14,11 +14,13 @@ synthetic images, ``data.loader=device``, channels_last), in that order:
    ``graph`` and ``compile+graph`` (captured, ``trainer.cuda_graph``), and ``bare`` (a plain
    PyTorch loop: forward, cross-entropy, backward, torch's SGD step, the schedule; no method
    hooks, so a baseline for ``bn`` only): ms per step and images per second (``reps`` blocks
-   of ``number`` steps), the share of that time the GPU is busy (kernel time under
+   of ``number`` steps, interleaved; ``ratio`` to ``eager`` and ``ratio_to_bare``, each the
+   median of the blocks' ratios), the share of that time the GPU is busy (kernel time under
    torch.profiler over ``number`` more steps), one evaluation of the test split, and the
    projected minutes of ``epochs`` x ``steps_per_epoch`` steps with one evaluation per epoch.
 
-The records go to ``out`` after each norm's cases, so a run stopped by its time budget keeps
+``clock=cpu`` times this process's CPU time instead of the wall's (steadier on a CPU shared
+with other work; for a run on one thread). The records go to ``out`` after each norm's cases, so a run stopped by its time budget keeps
 what it measured. On a CPU the graph cases are left out (they need CUDA).
 """
 
@@ -49,15 +51,17 @@ from bnexp.engine.optim import build_optimizer, build_schedule
 from bnexp.engine.step import WARMUP, TrainMeter, TrainStep, step_batches
 from bnexp.engine.trainer import build_callbacks, evaluate, train_step
 from bnexp.models import build_model
+from bnexp.support.errors import unknown_choice
 from bnexp.support.runinfo import atomic_write, configure_backends, seed_everything
 
 CASES = ("eager", "compiled", "step", "graph", "compile+graph", "bare")
 TODAY = ("eager", "compiled", "bare")  # cases without the engine's step
 DEFAULTS: dict[str, Any] = {**COMMON, "warmup": WARMUP + 3, "number": 20, "reps": 3, "norms": ("bn", "cbn"),
                             "amps": ("bf16", "off"), "cases": CASES, "batch": 128, "compare_steps": 20,
-                            "epochs": 120, "steps_per_epoch": 391, "out": "results/bench/graph.json"}
-COLUMNS = ("name", "mode", "amp", "ms_per_step", "images_per_s", "gpu_busy", "ratio", "projected_minutes",
-           "max_difference")
+                            "epochs": 120, "steps_per_epoch": 391, "clock": "wall", "out": "results/bench/graph.json"}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU time (a shared CPU machine)
+COLUMNS = ("name", "mode", "amp", "ms_per_step", "images_per_s", "gpu_busy", "ratio", "ratio_to_bare",
+           "projected_minutes", "max_difference")
 DATA = ("data=synthetic", "data.train_size=50000", "data.test_size=10000", "data.image_size=32", "data.loader=device",
         "trainer.channels_last=true")
 # the replayed-vs-plain comparison crosses a warmup and a milestone inside its steps
@@ -199,7 +203,7 @@ def speed(options: Mapping[str, Any], norm: str, amp: str, bundle: DataBundle, d
     cases = {kind: build_case(config(options, norm, amp, "compile" in kind, overrides), bundle, device, kind, run_dir)
              for kind in kinds}
     times = measure({kind: case.step for kind, case in cases.items()}, options["reps"], options["number"],
-                    options["warmup"], device)
+                    options["warmup"], device, clock=CLOCKS[options["clock"]])
     batch, steps = options["batch"], options["epochs"] * options["steps_per_epoch"]
     base = "eager" if "eager" in times else kinds[0]
     records = []
@@ -207,7 +211,9 @@ def speed(options: Mapping[str, Any], norm: str, amp: str, bundle: DataBundle, d
         seconds = statistics.median(times[kind])
         kernels = kernel_seconds(case.step, options["number"], device)
         evaluation = eval_seconds(case.evaluate, device)
+        bare = [t / b for t, b in zip(times[kind], times.get("bare", ()))]  # per block, as the ratio
         records.append(record(norm, kind, device, times[kind], f"{norm}/{base}/{amp}", times[base], amp=amp,
+                              ratio_to_bare=statistics.median(bare) if bare else None,
                               batch=batch, ms_per_step=1e3 * seconds, images_per_s=batch / seconds,
                               gpu_busy=None if kernels is None else kernels / seconds, eval_seconds=evaluation,
                               projected_minutes=(steps * seconds + options["epochs"] * evaluation) / 60))
@@ -223,6 +229,8 @@ def save(records: list[Record], out: str) -> None:
 
 def bench(options: Mapping[str, Any], overrides: Sequence[str]) -> list[Record]:
     device = device_of(options)
+    if options["clock"] not in CLOCKS:
+        raise unknown_choice("clock", options["clock"], CLOCKS)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the comparison
     records: list[Record] = []
     bundle = build_data(config(options, options["norms"][0], "off", False, overrides).data)
