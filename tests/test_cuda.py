@@ -175,7 +175,7 @@ GRAPHED = [*GPU_ON, "trainer.max_steps=14", "trainer.log_every=1", "data.loader=
 @pytest.mark.parametrize("norm", ["bn", "cbn", "bnp", "brn", "bn_4things"])
 def test_graphed_run_equals_the_plain_run(tmp_path: Path, norm: str) -> None:
     """trainer.cuda_graph: 3 plain steps, the capture, then replays (and the evaluation's own
-    graph from its second call) write what the plain step writes, bit for bit."""
+    graph from its fourth batch, at step 14) write what the plain step writes, bit for bit."""
     extra = ["norm.relax_start=2", "norm.r_max_step=10", "norm.d_max_step=6"] if norm == "brn" else []
     for graph in (False, True):
         run_inprocess(tmp_path / str(graph), [*GRAPHED, f"norm={norm}", *extra, f"trainer.cuda_graph={graph}"])
@@ -204,7 +204,7 @@ def test_graphed_pack_freezes_a_diverged_run_as_the_plain_pack(tmp_path: Path, m
         x, y = original(self, swap_rng)
         if self.index == 1:
             drawn["count"] += 1
-            if drawn["count"] % 100 == 7:  # run 1's 7th batch of each pack
+            if drawn["count"] == 7:  # run 1's 7th batch
                 x = x.clone()
                 x[0, 0, 0, 0] = float("nan")
         return x, y
@@ -217,8 +217,10 @@ def test_graphed_pack_freezes_a_diverged_run_as_the_plain_pack(tmp_path: Path, m
         train_pack(cfgs, [tmp_path / str(graph) / f"seed{s}" for s in range(3)])
     for seed in (0, 2):
         assert_same_run(tmp_path / "False" / f"seed{seed}", tmp_path / "True" / f"seed{seed}")
-    assert read_summary(tmp_path / "True" / "seed1") | {"wall_seconds": 0} == \
-        read_summary(tmp_path / "False" / "seed1") | {"wall_seconds": 0}
+    outcome = ("status", "steps", "epochs", "final_top1", "final_test_loss", "final_train_loss")
+    graphed, plain = (read_summary(tmp_path / graph / "seed1") for graph in ("True", "False"))
+    assert graphed["status"] == "diverged"
+    assert repr([graphed.get(k) for k in outcome]) == repr([plain.get(k) for k in outcome])  # NaN as NaN
 
 
 @pytest.mark.parametrize("norm", ["bn", "cbn", "bnp", "brn", "bn_4things"])
