@@ -308,7 +308,8 @@ class StepGraphs:
         """The step captured, reading a host batch from buffers of its own."""
         static = None if x is None else (torch.empty_like(x), torch.empty_like(y))
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+        # thread_local: another thread's CUDA calls (a DataLoader's pin-memory thread) may go on meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             self.body(*(static or (None, None)), size)
         return graph, static
 
