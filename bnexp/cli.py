@@ -21,7 +21,7 @@ import torch
 
 from bnexp.app.train import train_command
 from bnexp.support.errors import EXIT_CONFIG
-from bnexp.support.options import print_error
+from bnexp.support.options import plain_text, print_error
 from bnexp.support.runinfo import source_of_bnexp
 
 USAGE = """usage: bnexp <command> [args]
@@ -34,7 +34,7 @@ commands:
   plot       loss / accuracy curves: bnexp plot cbn/table1 [results=DIR] [out=DIR], or bnexp plot DIR [out=DIR]
   eval       a finished run's final weights on a data set: bnexp eval RUN_DIR [data=NAME] [split=test|train]
   export     a finished run's weights for other tools: bnexp export RUN_DIR [format=torchvision|safetensors]
-  bench      speed: bnexp bench norms|step|data|run|pack [reps=5] [out=FILE.json] (docs/benchmarks.md)
+  bench      speed: bnexp bench norms|step|data|run|pack|imagenet [reps=5] [out=FILE.json] (docs/benchmarks.md)
   lrsearch   largest stable lr per method (CBN Table 6): bnexp lrsearch [methods=[none,cbn]] [acts=[relu]] [lrs=[...]] [out=DIR]
   hessian    Hessian condition numbers in training (BNP Fig. 8): bnexp hessian [norms=[none,bnp]] [out=DIR]
   claims     the papers' claims checked on real digits, with verdicts: bnexp claims [all | NAME ...] [scale=quick]
@@ -82,7 +82,7 @@ def version() -> str:
 def command_help(command: str) -> str:
     """``bnexp <command> --help``: the documentation of the module implementing it."""
     doc = importlib.import_module(MODULES[command]).__doc__ or ""
-    return f"usage: bnexp {command} [key=value ...]\n\n{doc.strip()}"
+    return f"usage: bnexp {command} [key=value ...]\n\n{plain_text(doc).strip()}"
 
 
 def completion(argv: list[str]) -> None:

@@ -90,14 +90,18 @@ def test_mnist_offline(tmp_path: Path) -> None:
         build_data(mnist_cfg(tmp_path))
     message = str(err.value)
     for part in (str(tmp_path / "MNIST" / "raw"), "train-images-idx3-ubyte", "data.download=false",
-                 "data.root=", "data.download=true", "data=synthetic"):
+                 "data.root=", "data.download=true", "data=digits", "data=synthetic"):
         assert part in message
 
 
 def test_mnist_failed_download_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The download was on and failed: the message says why and names the offline data
+    sets, without advising the download that just failed."""
     monkeypatch.setattr(MNIST, "mirrors", ["http://127.0.0.1:9/"])  # nothing listens there
-    with pytest.raises(DataUnavailable, match="the download failed \\(RuntimeError: Error downloading"):
+    with pytest.raises(DataUnavailable, match="the download failed \\(RuntimeError: Error downloading") as err:
         build_data(mnist_cfg(tmp_path, download=True))
+    message = str(err.value)
+    assert "data=digits" in message and "data=synthetic" in message and "data.download=true" not in message
 
 
 # ---------------------------------------------------------------- npz

@@ -113,8 +113,8 @@ def submit(where: Path, overrides: list[str]) -> subprocess.Popen:
 
 
 def only_cell(where: Path) -> Path:
-    """The run directory of a one-cell sweep."""
-    cells = [p for p in where.glob("results/multirun/*/*") if p.is_dir() and not p.name.startswith(".")]
+    """The run directory of a one-cell sweep (an ad-hoc sweep's cells train where single runs do)."""
+    cells = [p for p in where.glob("results/runs/*") if p.is_dir()]
     assert len(cells) == 1, cells
     return cells[0]
 
@@ -135,9 +135,8 @@ def test_sweep_through_submitit_runs_each_cell_as_a_slurm_job(cluster: None, tmp
     monkeypatch.chdir(local)
     code, said = run_cli(["train", "-m", *sweep], capsys)
     assert code == 0, said
-    cells = sorted(p.relative_to(local) for p in local.glob("results/multirun/*/*/summary.json"))
-    assert len(cells) == 2 and cells == sorted(p.relative_to(on_slurm)
-                                               for p in on_slurm.glob("results/multirun/*/*/summary.json"))
+    cells = sorted(p.relative_to(local) for p in local.glob("results/runs/*/summary.json"))
+    assert len(cells) == 2 and cells == sorted(p.relative_to(on_slurm) for p in on_slurm.glob("results/runs/*/summary.json"))
     for cell in cells:
         assert read_summary((on_slurm / cell).parent)["status"] == "completed"
         assert_same_run((on_slurm / cell).parent, (local / cell).parent)
@@ -175,7 +174,7 @@ def test_scontrol_requeue_mid_run_resumes_bit_identically(cluster: None, tmp_pat
     on_slurm = tmp_path / "slurm"
     proc = submit(on_slurm, overrides)
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not list(on_slurm.glob("results/multirun/*/*/checkpoints")) and proc.poll() is None \
+    while not list(on_slurm.glob("results/runs/*/checkpoints")) and proc.poll() is None \
             and time.monotonic() < deadline:
         time.sleep(0.05)
     wait_for_checkpoint(only_cell(on_slurm), proc, 2, timeout=JOB_TIMEOUT_S)

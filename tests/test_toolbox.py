@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import bnexp
+from bnexp.app.compose import config_dir
 from bnexp.app.jobs import result_value
 from bnexp.cli import COMMANDS, main
 from bnexp.engine.callbacks import Callback, TrainState, stop_status
@@ -38,7 +40,20 @@ def test_version_names_bnexp_torch_and_the_checkout(capsys: pytest.CaptureFixtur
 def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out = run_cli([command, "--help"], capsys)
     assert code == 0, out
-    assert (f"usage: bnexp {command}" in out) if command != "train" else ("== Configuration groups ==" in out)
+    assert (f"usage: bnexp {command}" in out) if command != "train" else ("== Config groups (group=option) ==" in out)
+    assert not re.search(r":\w+:`|``", out), out  # no reStructuredText from the docstrings
+
+
+def test_train_help_lists_the_groups_a_command_line_chooses(capsys: pytest.CaptureFixture[str]) -> None:
+    """Not those only presets and train.yaml choose (protocol, norm_defaults_layer, sweep)."""
+    code, out = run_cli(["train", "--help"], capsys)
+    assert code == 0, out
+    block = out.split("== Config groups (group=option) ==")[1].split("== Config (")[0]
+    listed = dict(line.split(": ", 1) for line in block.strip().splitlines())
+    groups = {p.name for p in config_dir().iterdir() if p.is_dir() and not p.name.startswith("_")}
+    assert set(listed) == groups - {"hydra", "protocol", "norm_defaults_layer", "sweep"}
+    assert listed["norm"].split(", ") == sorted(p.stem for p in (config_dir() / "norm").glob("*.yaml"))
+    assert "cbn/table1" in listed["experiment"].split(", ")
 
 
 def test_shell_completion_answers_for_bnexp_train(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:

@@ -26,7 +26,7 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from bnexp.app.compose import config_dir, hydra_session, is_group, parser
+from bnexp.app.compose import config_dir, group_options, hydra_session, is_group, parser
 from bnexp.engine.config import meaningless, validate
 from bnexp.support.errors import ConfigError
 
@@ -74,12 +74,6 @@ def variants(parsed: Sequence[Override]) -> list[list[str]]:
             for value in list(o.sweep_string_iterator())[1:]:
                 out.append([line for j, line in enumerate(base) if line is not None and j != i] + [one_value(o, value)])
     return out
-
-
-def group_options(group: str) -> list[str]:
-    """The options of a config group of bnexp's tree (``experiment``: ``cbn/table1``, ...)."""
-    root = config_dir() / group
-    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
 
 
 def missing_option(err: MissingConfigException, parsed: Sequence[Override]) -> str:

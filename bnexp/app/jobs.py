@@ -19,14 +19,15 @@ import traceback
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from bnexp.app.cells import note_cell
 from bnexp.app.compose import prepare_config_tree
-from bnexp.app.sweep import job_status, record, skip_reason, spread_over_gpus
+from bnexp.app.sweep import job_status, record, skip_or_home, spread_over_gpus
 from bnexp.app.torchrun import check_gpus, follow_launcher, run_under_torchrun
 from bnexp.engine.config import meaningless, validate
 from bnexp.engine.identity import override_key, run_name
@@ -222,9 +223,10 @@ def train_pack_job(jobs: list[Job], sweeping: bool) -> list[Any]:
         for job in jobs:
             try:
                 locks.enter_context(RunLock(job.run_dir))
-                if prepare_job(job, write=True):
+                home = prepare_job(job, write=True)
+                if home:
                     record(job.run_dir, "skipped")
-                    values[job.run_dir] = result_value("skipped", stored_summary(job.run_dir))
+                    values[job.run_dir] = result_value("skipped", stored_summary(home))
                 else:
                     todo.append(job)
             except BnexpError as err:
@@ -255,17 +257,21 @@ def frozen_runs(jobs: list[Job], todo: list[Job]) -> list[Job]:
     return [job for job, _ in found] if all(pack == whole for _, pack in found) else []
 
 
-def prepare_job(job: Job, write: bool) -> bool:
-    """Whether a job is to be skipped (finished already); if not, its ``.hydra/`` is
-    written when ``write`` (the main process)."""
+def prepare_job(job: Job, write: bool) -> Optional[Path]:
+    """The directory holding a job's finished result when it is to be skipped, else None;
+    when ``write`` (the main process), its ``.hydra/`` is written if it trains, and a listing
+    sweep's list names where its result is (:mod:`bnexp.app.cells`)."""
     meaningless(job.cfg, job.hydra_cfg.overrides.task)
-    reason = skip_reason(job.cfg, job.run_dir)
+    sweep_dir = Path(job.hydra_cfg.sweep.dir) if job.hydra_cfg.get("mode") == RunMode.MULTIRUN else None
+    reason, home = skip_or_home(job.cfg, job.run_dir, sweep_dir)
+    if write and sweep_dir is not None:
+        note_cell(sweep_dir, home)
     if reason:
         (log.warning if "WARNING" in reason else log.info)("%s: skipped: %s", job.run_dir, reason)
-        return True
+        return home
     if write:
         save_hydra_files(job.run_dir, job.hydra_cfg, job.cfg)
-    return False
+    return None
 
 
 def pack_outcomes(jobs: list[Job], frozen: Sequence[Job] = ()) -> list[tuple[str, Any]]:
@@ -280,8 +286,9 @@ def pack_outcomes(jobs: list[Job], frozen: Sequence[Job] = ()) -> list[tuple[str
 def run_job(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: Path, sweeping: bool) -> tuple[str, Any]:
     """Skip, launch or train one job holding its directory's lock; (status, final top-1)."""
     launched = HELD_ENV in os.environ  # a rank of bnexp's launcher, which has written .hydra/ already
-    if prepare_job(Job(cfg, hydra_cfg, run_dir), write=from_environment().is_main and not launched):
-        return "skipped", result_value("skipped", stored_summary(run_dir))
+    home = prepare_job(Job(cfg, hydra_cfg, run_dir), write=from_environment().is_main and not launched)
+    if home:
+        return "skipped", result_value("skipped", stored_summary(home))
     if sweeping:
         spread_over_gpus(hydra_cfg.job.num)
     if int(cfg.trainer.nproc) > 1 and not from_environment().enabled:

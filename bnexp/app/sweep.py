@@ -6,7 +6,10 @@
   runs them (``hydra/sweeper=bnexp``, the default of ``bnexp train -m``) is the plugin
   ``hydra_plugins.bnexp_sweeper``, where Hydra requires plugins to live;
 - :func:`skip_reason`: a job whose run finished already (or whose paper lr is N/A) is not
-  trained again; :func:`spread_over_gpus` gives job ``n`` GPU ``n mod count``;
+  trained again; a cell of a listing sweep (:mod:`bnexp.app.cells`) whose settings finished
+  in another directory is not either (:func:`skip_or_home`); :func:`describe_jobs`: what
+  ``--dry-run`` prints (each cell, how many run, resume and are skipped, the projected time);
+  :func:`spread_over_gpus` gives job ``n`` GPU ``n mod count``;
 - :class:`SweepReport`: the end-of-sweep report. Each job appends its outcome to a ledger
   file named in the environment at the start of the sweep, which works for in-process,
   joblib and SLURM launchers alike; the end of the sweep reads it back.
@@ -14,14 +17,18 @@
 
 from __future__ import annotations
 
+import csv
+import functools
 import itertools
 import json
 import logging
 import os
+import statistics
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -29,13 +36,14 @@ from hydra.core.override_parser.types import Override
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from bnexp.app.cells import lists_cells
 from bnexp.app.compose import is_group
 from bnexp.data.files import identity_problem
-from bnexp.engine.checkpoint import FINAL, read_config, resume_candidates, verified_bytes
+from bnexp.engine.checkpoint import FINAL, periodic_step, read_config, resume_candidates, verified_bytes
 from bnexp.engine.config import lr_not_applicable
 from bnexp.engine.identity import cell_name, differences, fingerprint, override_key, run_differences
 from bnexp.support.errors import EXIT_FAILED, ConfigError, OtherRunThere
-from bnexp.support.runinfo import read_run_json
+from bnexp.support.runinfo import duration, read_run_json
 from bnexp.support.runlock import HELD_ENV
 
 log = logging.getLogger("bnexp.app.sweep")
@@ -268,14 +276,174 @@ def distinct_packs(seeds: Sequence[int], max_pack: int) -> list[list[int]]:
     return packs
 
 
-def describe_jobs(jobs: Sequence[Job], sweep_dir: Path) -> str:
-    """A sweep's jobs, one line each: the run directory, its status if it has run, the overrides."""
+def finished_twin(cfg: DictConfig, run_dir: Path, sweep_dir: Path) -> Optional[tuple[Path, str]]:
+    """A finished run of ``cfg``'s settings in another directory, for a cell of a listing
+    sweep: among the runs beside ``run_dir`` (where single runs live) and the cells held by
+    the sweep folders beside ``sweep_dir`` (ad-hoc folders made before cells were listed).
+    Its directory and status; None when there is none. The same settings means the same
+    fingerprint and unchanged data files, as for a re-run (:func:`skip_reason`)."""
+    want = fingerprint(cfg)
+    for path in twin_candidates(run_dir, sweep_dir):
+        if path.parent == run_dir or recorded_fingerprint(path) != want:
+            continue
+        try:
+            summary = stored_result(path)
+        except ConfigError:  # rewritten since it was read
+            continue
+        if summary.get("status") in FINISHED and not run_differences(summary["config"], cfg, summary.get("data_files")):
+            return path.parent, str(summary["status"])
+    return None
+
+
+def twin_candidates(run_dir: Path, sweep_dir: Path) -> list[Path]:
+    """The summary.json files :func:`finished_twin` looks at, in a stable order."""
+    return sorted(run_dir.parent.glob("*/summary.json")) + sorted(sweep_dir.parent.glob("*/*/summary.json"))
+
+
+def recorded_fingerprint(path: Path) -> Optional[str]:
+    """The fingerprint of the settings a finished run recorded in ``path`` (its summary.json);
+    None for an unfinished run or a file that cannot be used."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return _finished_fingerprint(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=65536)
+def _finished_fingerprint(path: str, size: int, mtime_ns: int) -> Optional[str]:
+    """:func:`recorded_fingerprint`, read once per version of the file (its size and time)."""
+    try:
+        summary = stored_result(Path(path))
+    except ConfigError:
+        return None
+    config = summary.get("config")
+    return fingerprint(config) if summary.get("status") in FINISHED and config else None
+
+
+def skip_or_home(cfg: DictConfig, run_dir: Path, sweep_dir: Optional[Path]) -> tuple[Optional[str], Path]:
+    """Why a job should not train (:func:`skip_reason`), and the directory holding its result:
+    its own, or, for a cell of a listing sweep (``sweep_dir``; None outside a sweep) whose own
+    directory holds nothing to skip or resume, a finished run of the same settings found
+    elsewhere (:func:`finished_twin`)."""
+    reason = skip_reason(cfg, run_dir)
+    if reason or sweep_dir is None or not lists_cells(sweep_dir) or str(cfg.trainer.get("resume", "auto")) != "auto" \
+            or resume_candidates(run_dir):
+        return reason, run_dir
+    twin = finished_twin(cfg, run_dir, sweep_dir)
+    if twin is None:
+        return None, run_dir
+    return f"already {twin[1]} in {twin[0]}, with the same settings (trainer.resume=never trains it here)", twin[0]
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    """What a sweep will do with one cell: ``run``, ``resume`` or ``skip``; where its result is
+    or will be; a label for ``--dry-run``; for a cell resumed from a periodic checkpoint, its
+    step (None: from its final checkpoint, nothing left to train)."""
+
+    action: str
+    home: Path
+    label: str
+    step: Optional[int] = None
+
+
+def cell_plan(run_dir: Path, fresh: bool = False) -> CellPlan:
+    """From a cell's directory: skip a finished run, resume from a checkpoint, run otherwise
+    (``fresh``, trainer.resume=never: run every cell from its start)."""
+    status = job_status(run_dir)[0] if (run_dir / "summary.json").is_file() else None
+    if fresh:
+        return CellPlan("run", run_dir, "to run again" if status else "to run")
+    if status in FINISHED:
+        return CellPlan("skip", run_dir, str(status))
+    found = resume_candidates(run_dir)
+    if found:
+        step = periodic_step(found[0])
+        where = f"step {step}" if step is not None else "its final checkpoint"
+        return CellPlan("resume", run_dir, f"{status or 'stopped'}: resumes from {where}", step)
+    return CellPlan("run", run_dir, status or "to run")
+
+
+def trained_seconds(run_dir: Path) -> Optional[float]:
+    """How long a finished run trained: the ``seconds`` of its last metrics.csv row (summed
+    over the processes that resumed it), else its summary's ``wall_seconds``."""
+    try:
+        with open(run_dir / "metrics.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        return float(rows[-1]["seconds"])
+    except (OSError, IndexError, KeyError, TypeError, ValueError, csv.Error):
+        pass
+    try:
+        return float(read_run_json(run_dir / "summary.json")["wall_seconds"])
+    except (ConfigError, KeyError, TypeError, ValueError):
+        return None
+
+
+def projected(plans: Sequence[CellPlan]) -> str:
+    """The time the cells to run and resume should take, projected from the median time of
+    the finished ones (a resumed cell counts the part left after its checkpoint's step)."""
+    done = [p.home for p in plans if p.action == "skip"]
+    times = [t for t in map(trained_seconds, done) if t is not None]
+    todo = [p for p in plans if p.action != "skip"]
+    if not todo:
+        return "nothing to train"
+    if not times:
+        return "projected time unknown until a cell has finished (each run prints its own after its first steps)"
+    each = statistics.median(times)
+    steps = statistics.median([job_steps(d) or 0 for d in done]) or None
+    left = sum(cell_left(p, steps) for p in todo)
+    cells = "1 finished cell" if len(times) == 1 else f"the {len(times)} finished cells"
+    return f"projected: about {duration(each * left)} (the median of {cells}, {duration(each)} each)"
+
+
+def cell_left(plan: CellPlan, steps: Optional[float]) -> float:
+    """The part of a run that a cell to run (1) or to resume has left, for runs of ``steps`` steps."""
+    if plan.action == "run":
+        return 1.0
+    if plan.step is None:
+        return 0.0
+    return max(0.0, 1 - plan.step / steps) if steps else 1.0
+
+
+def job_steps(run_dir: Path) -> Optional[int]:
+    """The steps a finished run trained, from its summary."""
+    try:
+        return int(read_run_json(run_dir / "summary.json")["steps"])
+    except (ConfigError, KeyError, TypeError, ValueError):
+        return None
+
+
+def describe_jobs(jobs: Sequence[Job], sweep_dir: Path, places: Optional[Sequence[Path]] = None,
+                  settings: Optional[Callable[[Job], DictConfig]] = None, fresh: bool = False) -> str:
+    """A sweep's jobs, one line each (where its result is or will be, what the sweep does
+    with it, its overrides), then how many run, resume and are skipped, and the projected
+    time. ``places``: each job's directory (default: its cell folder in ``sweep_dir``);
+    ``settings``: each job's config, for a listing sweep, whose cells may have finished runs
+    of their settings elsewhere (:func:`finished_twin`; asked only when finished runs are
+    there); ``fresh``: trainer.resume=never."""
+    dirs = list(places) if places is not None else [sweep_dir / cell_name(job) for job in jobs]
+    plans = [cell_plan(d, fresh) for d in dirs]
+    if settings is not None and not fresh and dirs and others_finished(dirs, sweep_dir):
+        plans = [twin_plan(p, job, sweep_dir, settings) if p.action == "run" else p for p, job in zip(plans, jobs)]
     lines = [f"{len(jobs)} jobs in {sweep_dir}:"]
-    for job in jobs:
-        run_dir = sweep_dir / cell_name(job)
-        status = job_status(run_dir)[0] if (run_dir / "summary.json").is_file() else "to run"
-        lines.append(f"  {run_dir}  [{status}]  {' '.join(job)}")
+    lines += [f"  {p.home}  [{p.label}]  {' '.join(job)}" for p, job in zip(plans, jobs)]
+    counts = Counter(p.action for p in plans)
+    lines.append(f"{counts['run']} to run, {counts['resume']} to resume, {counts['skip']} finished (skipped); "
+                 f"{projected(plans)}")
     return "\n".join(lines)
+
+
+def others_finished(dirs: Sequence[Path], sweep_dir: Path) -> bool:
+    """Whether a finished run other than the cells' own (``dirs``) is where
+    :func:`finished_twin` looks."""
+    own = set(dirs)
+    return any(p.parent not in own and recorded_fingerprint(p) for p in twin_candidates(dirs[0], sweep_dir))
+
+
+def twin_plan(plan: CellPlan, job: Job, sweep_dir: Path, settings: Callable[[Job], DictConfig]) -> CellPlan:
+    """A cell to run, unless a finished run of its settings is found elsewhere (:func:`finished_twin`)."""
+    twin = finished_twin(settings(job), plan.home, sweep_dir)
+    return plan if twin is None else CellPlan("skip", twin[0], f"{twin[1]}, the same settings")
 
 
 def spread_over_gpus(job_num: int) -> None:

@@ -21,9 +21,11 @@ from bnexp.support.errors import DataError, DataUnavailable
 T = TypeVar("T")
 
 OFFLINE_HINT = (
-    "Point data.root=DIR at a folder that holds {holds}, "
-    "or set data.download=true to fetch it; data=synthetic runs offline without any files."
+    "Point data.root=DIR at a folder that holds {holds}{fetch}. Without files or network, "
+    "data=digits trains on real images bundled with scikit-learn (8x8 handwritten digits) "
+    "and data=synthetic on generated ones."
 )
+FETCH_HINT = ", or set data.download=true to fetch it"  # only where downloading was off
 REDOWNLOAD_HINT = "Delete it and re-download, or set data.verify=false to read it anyway."
 
 
@@ -54,9 +56,10 @@ def ensure_present(data: DataFiles, download: Callable[[], object], allowed: boo
     if not missing:
         return
     looked = f"{data.label} is not complete under {data.folder} (missing: {', '.join(p.name for p in missing)})"
-    hint = OFFLINE_HINT.format(holds=data.holds)
+    hint = OFFLINE_HINT.format(holds=data.holds, fetch="")
     if not allowed:
-        raise DataUnavailable(f"{looked} and downloading is off (data.download=false). {hint}")
+        raise DataUnavailable(f"{looked} and downloading is off (data.download=false). "
+                              f"{OFFLINE_HINT.format(holds=data.holds, fetch=FETCH_HINT)}")
     try:
         download()
     except Exception as err:  # urllib, socket and archive errors all mean "could not fetch"

@@ -8,7 +8,7 @@ The digest proves integrity, not origin, so a checkpoint is unpickled only by
 ``torch.load(weights_only=True)``, which builds tensors and plain containers and calls no
 code named in the file; a file that needs more is refused (:class:`UnsafeCheckpoint`).
 Periodic checkpoints live in ``<run>/checkpoints/step-<step>.pt``; the newest ``keep`` of
-them are kept.
+them are kept. ``trainer.keep_best`` keeps the state of the best evaluation in ``<run>/best.pt``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ log = logging.getLogger("bnexp.engine.checkpoint")
 
 CHECKPOINT_DIR = "checkpoints"
 FINAL = "checkpoint.pt"  # a completed run's final state, in its directory
+BEST = "best.pt"  # trainer.keep_best: the state at the run's best evaluation (test top-1) so far
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "rng")
 RUN_SECTIONS = ("model", "norm", "act", "data")  # what eval and export rebuild a run from
 # torch's message when weights_only=True meets a global it does not allow (or blocks)
@@ -117,10 +118,15 @@ def periodic_path(run_dir: Path, step: int) -> Path:
     return run_dir / CHECKPOINT_DIR / f"step-{step:09d}.pt"
 
 
+def periodic_step(path: Path) -> int | None:
+    """The step a periodic checkpoint's name says (``step-000000300.pt``: 300); None for another file."""
+    found = _STEP_FILE.search(path.name)
+    return int(found.group(1)) if found else None
+
+
 def periodic_checkpoints(run_dir: Path) -> list[Path]:
     """Periodic checkpoints of a run, newest (highest step) first."""
-    folder = run_dir / CHECKPOINT_DIR
-    found = [(int(m.group(1)), p) for p in folder.glob("step-*.pt") if (m := _STEP_FILE.search(p.name))]
+    found = [(step, p) for p in (run_dir / CHECKPOINT_DIR).glob("step-*.pt") if (step := periodic_step(p)) is not None]
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -222,6 +228,25 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     if not file.is_file():
         raise ConfigError(f"{path}: no checkpoint there (a checkpoint file, or a run directory holding {FINAL})")
     return load_given(file)["model"]
+
+
+def drop_stale_best(run_dir: Path, step: int) -> None:
+    """Remove a run's :data:`BEST` checkpoint when it was written after ``step``, where
+    training starts again (the evaluations after it are trained again, and from step 0 they
+    are another run's), or when it is damaged."""
+    path = run_dir / BEST
+    if not path.is_file():
+        return
+    try:
+        written = int(load(path)["step"])
+    except (ValueError, TypeError) as err:
+        log.warning("%s; removing it (a later best evaluation writes it again)", err)
+    else:
+        if written <= step:
+            return
+        log.info("removing %s of step %d: training starts again at step %d", path, written, step)
+    path.unlink(missing_ok=True)
+    checksum_path(path).unlink(missing_ok=True)
 
 
 def resume_candidates(run_dir: Path) -> list[Path]:

@@ -6,10 +6,11 @@ under ``metrics/``, the rows the probes and the scale-invariant weights' log add
 (``probes.csv`` under ``probes/<probe>/<layer>/<quantity>``, ``weights.csv`` under
 ``weights/<layer>/<column>``) at each evaluation, and at the end the run's summary (status,
 final and best accuracies). A run is named after its directory and grouped by its
-directory's parent (a sweep's folder; ``runs`` for a single run), so the seeds of a
-sweep's cells sit together. Under torchrun only rank 0 logs (the metrics are already
-summed over the ranks). Each tracker is an optional extra (``pip install 'bnexp[mlflow]'``);
-a missing one is a ConfigError naming it.
+directory's parent (a preset's sweep folder, so the seeds of its cells sit together;
+``runs`` for a single run and the cells of an ad-hoc sweep, which train where single runs
+do). Under torchrun only rank 0 logs (the metrics are already summed over the ranks).
+Each tracker is an optional extra (``pip install 'bnexp[mlflow]'``); a missing one is a
+ConfigError naming it.
 
 - ``tensorboard``: event files in ``<run dir>/tensorboard`` (or ``logger.dir``), with the
   config and final metrics in the HParams tab (``tensorboard --logdir <sweep folder>``).

@@ -17,6 +17,7 @@ from annotated_types import Ge, Gt, Le, Lt
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
 
+from bnexp.data.imagenet import DECODES
 from bnexp.data.loaders import LOADERS
 from bnexp.data.sampling import SAMPLINGS
 from bnexp.engine.amp_compile import AMP_DTYPES
@@ -129,6 +130,7 @@ class DataKeys(TypedDict, total=False):
     split_seed: Annotated[int, Field(ge=0, le=MAX_SEED)]
     test_fraction: Annotated[float, Field(gt=0, lt=1)]
     sampling: choice(SAMPLINGS)
+    standardize: bool  # false: images / 255 in [0, 1] (BNP's TensorFlow nets); true: minus the mean, over the std
     drop_last: Optional[bool]
     augment: bool
     aug: str
@@ -140,6 +142,7 @@ class DataKeys(TypedDict, total=False):
     format: str
     bad_images: str
     check_images: bool
+    decode: choice(DECODES)
 
 
 @with_config(STRICT)
@@ -188,6 +191,7 @@ class TrainerKeys(TypedDict, total=False):
     checkpoint_every: NonNegative
     checkpoint_unit: choice(CHECKPOINT_UNITS)
     keep_checkpoints: Count
+    keep_best: bool
     resume: str
     init_from: Optional[str]
     amp: Optional[choice((*AMP_DTYPES, False))]  # YAML reads a bare off as false (bnexp.engine.amp_compile.amp_mode)

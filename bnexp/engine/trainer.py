@@ -42,6 +42,7 @@ from bnexp.engine import checkpoint
 from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import Callback, TrainState, ended_on_stop
 from bnexp.engine.config import validate
+from bnexp.engine.console import RunConsole
 from bnexp.engine.evaluation import DeviceEvaluation, test_rows
 from bnexp.engine.identity import fingerprint, run_differences
 from bnexp.engine.loggers import logger_callback
@@ -177,7 +178,9 @@ class Trainer:
         self.loaders = loaders  # one per member, sharing one copy of the data and the test batches
         self.num_classes = num_classes
         self.shared = list(shared)
-        self.callbacks = [*self.shared, *(cb for m in self.running() for cb in m.callbacks)]
+        labels = [f"seed {m.cfg.trainer.seed}: " if len(members) > 1 else "" for m in members]
+        self.console = RunConsole([m.run_dir for m in members], labels, members[0].summary.get("params"))
+        self.callbacks = [*self.shared, *(cb for m in self.running() for cb in m.callbacks), self.console]
         self.meter = TrainMeter(state.device, len(members))
         self.graphed = cuda_graph_wanted(state, net, self.callbacks)  # trainer.cuda_graph, where it can be had
         test = loaders[0].test
@@ -198,7 +201,7 @@ class Trainer:
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Training batches on the device, from the current step on."""
         for x, y in self.loaders[0].epochs_from(self.state.step):
-            yield x.to(self.state.device, non_blocking=True), y.to(self.state.device, non_blocking=True)
+            yield self.loaders[0].to_device(x, y)
 
     def criterion(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, y)
@@ -256,6 +259,8 @@ class Trainer:
         with PreemptionGuard() as guard:  # a signal while the final checkpoint is written waits for it
             with ended_on_stop(self.callbacks, state):  # trackers close as preempted or failed on a stop
                 self.resume(str(state.cfg.trainer.resume))
+                for m in (m for m in self.running() if m.writes):
+                    checkpoint.drop_stale_best(m.run_dir, state.step)
                 lr = self.train_steps(guard)
                 self.finish(lr)
             stop_if_signalled(guard)
@@ -284,7 +289,7 @@ class Trainer:
                 if not self.running():
                     break
                 losses, accuracies = (" ".join(f"{v:.4f}" for v, _ in train), " ".join(f"{a:.2f}%" for _, a in train))
-                bar.set_postfix(loss=losses, lr=f"{lr:.4g}")
+                bar.set_postfix(loss=losses, lr=f"{lr:.4g}", **self.console.postfix())
                 if bar.disable and state.step % log_every == 0:
                     log.info("step %d/%d epoch %.2f loss %s acc %s lr %.4g", state.step, state.total_steps,
                              state.epoch, losses, accuracies, lr)
@@ -309,16 +314,29 @@ class Trainer:
         train = self.meter.read_runs()
         if only is None:
             self.meter.reset()
-        s = self.state
+        s, improved = self.state, []
         tests = self.test_metrics()
         for m, run_train, test in zip(self.members, train, tests):
             if m is not only and (only is not None or m.status != "running"):
                 continue
             row = eval_row(s, lr, run_train, test, self.seconds())
             m.metrics.write(row)
+            if only is None and row["test_acc"] > m.summary.get("best_top1", -math.inf):
+                improved.append(m.index)
             record_eval(m.summary, row)
+            self.console.evaluated(m.index, row, s.total_steps, m.summary["best_top1"])
             for cb in m.callbacks:
                 cb.on_eval(s, row)
+        self.save_best(improved)
+
+    def save_best(self, improved: list[int]) -> None:
+        """``trainer.keep_best``: the checkpoint of each member whose evaluation just beat its
+        best so far, as :data:`~bnexp.engine.checkpoint.BEST` in its directory."""
+        keep = {m.index for m in self.running() if m.index in improved and m.cfg.trainer.get("keep_best")}
+        if keep:
+            for m, payload in zip(self.running(), self.payloads()):
+                if m.index in keep and m.writes:
+                    self.save_checkpoint(m, payload, m.run_dir / checkpoint.BEST, "training goes on without it")
 
     def payloads(self) -> list[dict[str, Any]]:
         """The checkpoint of each running member: everything needed to continue it bit for bit,

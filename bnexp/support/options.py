@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +21,22 @@ def print_error(message: str) -> None:
 def print_warning(message: str) -> None:
     """Print one warning line to stderr (the command goes on)."""
     print(f"bnexp: warning: {message}", file=sys.stderr, flush=True)
+
+
+# reStructuredText in docstrings: a parenthesized cross-reference, a role, an inline literal
+_REFERENCE = re.compile(r" ?\((?::\w+:`[^`]+`(?:, )?)+\)")
+_ROLE = re.compile(r":\w+:`~?(?:([^`<]*?) <[^`]*>|([^`]*))`")
+_LITERAL = re.compile(r"``(.+?)``", re.DOTALL)
+
+
+def plain_text(doc: str) -> str:
+    """A docstring for the terminal (``--help``): cross-references in parentheses dropped,
+    other roles as the name they show (``:func:`~a.b``` -> ``b``), inline literals bare."""
+    def role(found: re.Match[str]) -> str:
+        text = found.group(1) or found.group(2) or ""
+        return text.rsplit(".", 1)[-1] if "`~" in found.group(0) else text
+
+    return _LITERAL.sub(r"\1", _ROLE.sub(role, _REFERENCE.sub("", doc)))
 
 
 def split_options(args: Sequence[str], defaults: Mapping[str, object]) -> tuple[dict[str, str], list[str]]:

@@ -104,6 +104,13 @@ def version_stamp() -> dict[str, Any]:
     return {**source_of_bnexp(), "torch_version": torch.__version__}
 
 
+def duration(seconds: float) -> str:
+    """A span of time as people read it: ``42 s``, ``1.6 min``, ``2.5 h`` (hours from 90 minutes on)."""
+    if seconds >= 5400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
 class MetricsWriter:
     """Appends one row per evaluation to a CSV file (header from the first row).
 

@@ -9,19 +9,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
+from bnexp.app.cells import place, start_list, will_list
 from bnexp.app.sweep import Sweep, describe_jobs, expand, plan, shape_representatives
+from bnexp.engine.identity import run_name
 
 
 class BnexpSweeper(Sweeper):
     """Hydra's basic sweeper over the union of several sweeps (configs/hydra/sweeper/bnexp.yaml).
 
     ``report`` is not used here: it describes the preset's table for ``bnexp table``.
-    ``dry_run`` prints the jobs and their run directories instead of running them.
+    ``dry_run`` prints the jobs, their run directories and what the sweep would do with
+    each instead of running them. A sweep folder named after the command line lists its
+    cells, which train where single runs do (:mod:`bnexp.app.cells`).
     """
 
     def __init__(self, max_batch_size: Optional[int] = None, sweeps: Optional[Sequence[Sweep]] = None,
@@ -45,9 +50,14 @@ class BnexpSweeper(Sweeper):
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         jobs = expand(self.sweeps, self.params, arguments, parser)
         sweep_dir = Path(self.config.hydra.sweep.dir)
+        listing = will_list(sweep_dir, run_name(self.config.hydra.overrides.task))
         if self.dry_run:
-            print(describe_jobs(jobs, sweep_dir), flush=True)
+            places = [place(sweep_dir, self.run_dir(job), job, listing) for job in jobs]
+            fresh = str(self.config.trainer.get("resume", "auto")) == "never"
+            print(describe_jobs(jobs, sweep_dir, places, self.job_settings if listing else None, fresh), flush=True)
             return []
+        if listing:
+            start_list(sweep_dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         plan(len(jobs))
@@ -63,3 +73,24 @@ class BnexpSweeper(Sweeper):
                 _ = result.return_value  # raises if the job raised
             returns.append(results)
         return returns
+
+    def run_dir(self, job: Sequence[str]) -> Path:
+        """Where ``bnexp train <job>`` trains (``hydra.run.dir`` with the job's overrides)."""
+        hydra_node = HydraConfig.get()
+        sweep_task = hydra_node.overrides.task
+        with read_write(hydra_node):
+            hydra_node.overrides.task = list(job)
+            try:
+                return Path(str(hydra_node.run.dir))
+            finally:
+                hydra_node.overrides.task = sweep_task
+
+    def job_settings(self, job: Sequence[str]) -> DictConfig:
+        """A job's config as its run gets it (for ``--dry-run``'s search of finished runs)."""
+        config = self.hydra_context.config_loader.load_sweep_config(self.config, list(job))
+        HydraConfig.instance().set_config(config)  # the job's ${hydra:...}, as it runs
+        try:
+            task = {k: v for k, v in OmegaConf.to_container(config).items() if k != "hydra"}
+            return OmegaConf.create(OmegaConf.to_container(OmegaConf.create(task), resolve=True))
+        finally:
+            HydraConfig.instance().set_config(self.config)
