@@ -52,6 +52,19 @@ def test_bench_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert all(by_name[name]["images_per_s"] > 0 and by_name[name]["speedup"] > 0 for name in ("device", "torch-float32"))
 
 
+def test_bench_graph(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On a CPU: today's step, the engine's and a bare loop (the graph cases need CUDA)."""
+    out = tmp_path / "graph.json"
+    code, text = run_cli(["bench", "graph", "norms=bn", "amps=off", "cases=eager,step,bare", "batch=8", "number=1",
+                          "warmup=1", "epochs=1", "steps_per_epoch=5", *QUICK, f"out={out}", *TOY_MODEL, *TOY_DATA],
+                         capsys)
+    assert code == 0, text
+    records = json.loads(out.read_text())
+    assert [r["mode"] for r in records] == ["eager", "step", "bare"]
+    assert all(r["ms_per_step"] > 0 and r["projected_minutes"] > 0 and r["gpu_busy"] is None for r in records)
+    assert records[0]["ratio"] == 1.0 and "images_per_s" in text
+
+
 def test_bench_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     records = bench(["run", "trainer.batch_size=16", *TOY_MODEL, *TOY_DATA], tmp_path, capsys)
     (run,) = records

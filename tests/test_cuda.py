@@ -21,7 +21,8 @@ from torch import nn
 from bnexp.data.device import draws, pad_crop_flip
 from bnexp.models import DataSpec, build_model
 from bnexp.nn import BNP, BatchRenorm2d, CBN2d, FourThingsBN2d, NormFamily2d, POPNorm2d, set_learning_rate
-from tests.conftest import TINY, compose_cfg, run_cli
+from tests.conftest import TINY, compose_cfg, read_summary, run_cli
+from tests.test_resilience import EXACT as EXACT_PACK
 from tests.test_resilience import CrashAt, assert_same_run, run_inprocess
 from tests.test_speed_paths import bound_si
 
@@ -166,6 +167,73 @@ def test_compiled_bf16_run_on_cuda_resumes_bit_exactly(tmp_path: Path) -> None:
         run_inprocess(tmp_path / "resumed", fast, [CrashAt(7)])
     run_inprocess(tmp_path / "resumed", fast)
     assert_same_run(tmp_path / "reference", tmp_path / "resumed")
+
+
+GRAPHED = [*GPU_ON, "trainer.max_steps=14", "trainer.log_every=1", "data.loader=device"]
+
+
+@pytest.mark.parametrize("norm", ["bn", "cbn", "bnp", "brn", "bn_4things"])
+def test_graphed_run_equals_the_plain_run(tmp_path: Path, norm: str) -> None:
+    """trainer.cuda_graph: 3 plain steps, the capture, then replays (and the evaluation's own
+    graph from its fourth batch, at step 14) write what the plain step writes, bit for bit."""
+    extra = ["norm.relax_start=2", "norm.r_max_step=10", "norm.d_max_step=6"] if norm == "brn" else []
+    for graph in (False, True):
+        run_inprocess(tmp_path / str(graph), [*GRAPHED, f"norm={norm}", *extra, f"trainer.cuda_graph={graph}"])
+    assert_same_run(tmp_path / "False", tmp_path / "True")
+
+
+def test_graphed_run_resumes_bit_exactly(tmp_path: Path) -> None:
+    """A resumed run captures its step again (its optimizer state is new tensors) and ends where
+    the uninterrupted one ends."""
+    graphed = [*GRAPHED, "norm=cbn", "trainer.cuda_graph=true", "trainer.amp=bf16", "trainer.channels_last=true"]
+    run_inprocess(tmp_path / "reference", graphed)
+    with pytest.raises(RuntimeError):
+        run_inprocess(tmp_path / "resumed", graphed, [CrashAt(9)])
+    run_inprocess(tmp_path / "resumed", graphed)
+    assert_same_run(tmp_path / "reference", tmp_path / "resumed")
+
+
+def test_graphed_pack_freezes_a_diverged_run_as_the_plain_pack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN in run 1's batch during the replays: the run diverges and is frozen where the plain
+    pack freezes it (the step is captured again with its slot frozen), the others end bit-identical."""
+    from bnexp.engine.pack import PackMember, train_pack
+
+    original, drawn = PackMember.next_batch, {"count": 0}
+
+    def poisoned(self: PackMember, swap_rng: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = original(self, swap_rng)
+        if self.index == 1:
+            drawn["count"] += 1
+            if drawn["count"] == 7:  # run 1's 7th batch
+                x = x.clone()
+                x[0, 0, 0, 0] = float("nan")
+        return x, y
+
+    monkeypatch.setattr(PackMember, "next_batch", poisoned)
+    overrides = [*TINY, *EXACT_PACK, *GRAPHED, "data.loader=torch", "norm=cbn"]
+    for graph in (False, True):
+        drawn["count"] = 0
+        cfgs = [compose_cfg([*overrides, f"trainer.seed={s}", f"trainer.cuda_graph={graph}"]) for s in range(3)]
+        train_pack(cfgs, [tmp_path / str(graph) / f"seed{s}" for s in range(3)])
+    for seed in (0, 2):
+        assert_same_run(tmp_path / "False" / f"seed{seed}", tmp_path / "True" / f"seed{seed}")
+    outcome = ("status", "steps", "epochs", "final_top1", "final_test_loss", "final_train_loss")
+    graphed, plain = (read_summary(tmp_path / graph / "seed1") for graph in ("True", "False"))
+    assert graphed["status"] == "diverged"
+    assert repr([graphed.get(k) for k in outcome]) == repr([plain.get(k) for k in outcome])  # NaN as NaN
+
+
+@pytest.mark.parametrize("norm", ["bn", "cbn", "bnp", "brn", "bn_4things"])
+def test_engine_step_has_no_cpu_tensor_and_no_host_read_on_cuda(tmp_path: Path, norm: str) -> None:
+    """The engine's step on CUDA (a pack with a frozen run, its method hooks, SGD at the
+    device's rates) checked by HostUse after its first step: no CPU operand, no host read,
+    no host value that changes between steps."""
+    from tests.test_step import Pack, audit
+
+    pack = Pack(norm, torch.float32, tmp_path, CUDA)
+    pack.freezer.freeze(pack.state, 1)
+    step = pack.engine_step()
+    assert audit(pack, lambda x, y: step.run()) == []
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs")

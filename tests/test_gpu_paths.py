@@ -93,33 +93,60 @@ def test_tf32_and_cudnn_benchmark_follow_the_config(tmp_path: Path, tf32: bool, 
 def test_gpu_check_plans_every_check_and_summarizes_them() -> None:
     from bnexp.bench.gpu_check import checks, markdown
 
-    assert [name for name, _ in checks(False)] == ["tests"]
-    plan = dict(checks(True))
-    assert list(plan) == ["tests", "bench-norms", "bench-step", "bench-data", "bench-pack", "bench-run",
-                          "resnet20-bn", "resnet20-cbn", "resnet20-cbn-pack10", "imagenet-input"]
+    assert [s.name for s in checks(False)] == ["tests"]
+    plan = {s.name: s.command for s in checks(True)}
+    assert list(plan) == ["tests", "step-graph", "imagenet-input", "bench-norms", "bench-step", "bench-data",
+                          "bench-pack", "bench-run", "resnet20-bn", "resnet20-cbn", "resnet20-cbn-pack10"]
     assert {"trainer.pack=10", "norm=cbn", "target_seconds=180"} <= set(plan["resnet20-cbn-pack10"])
     assert all("device=cuda" in command for name, command in plan.items() if name != "tests")
     assert {"trainer.amp=bf16", "trainer.channels_last=true", "trainer.compile=true", "norm=cbn"} <= set(
         plan["resnet20-cbn"])
     report = {"date": "2026-11-23", "device": "NVIDIA H100", "torch": "2.11.0", "cuda": "13.0", "python": "3.12",
-              "checks": [{"name": "tests", "ok": True, "seconds": 60.0}, {"name": "bench-run", "ok": False,
-                                                                           "seconds": 300.0}],
-              "extrapolated_minutes": {"bn": 1.9}, "benchmarks": {"bench-run": [{"name": "run", "mode": "eager",
-                                                                                 "seconds_median": 2.0, "ratio": 1.1}]}}
+              "checks": [{"name": "tests", "ok": True, "seconds": 60.0, "budget_s": 130},
+                         {"name": "bench-run", "ok": False, "seconds": 300.0, "budget_s": 60}],
+              "extrapolated_minutes": {"bn": 1.9},
+              "benchmarks": {"bench-run": [{"name": "run", "mode": "eager", "seconds_median": 2.0, "ratio": 1.1}],
+                             "step-graph": [{"name": "bn", "amp": "bf16", "mode": "replayed vs plain", "steps": 24,
+                                             "max_difference": 0.0},
+                                            {"name": "bn", "amp": "bf16", "mode": "graph", "ms_per_step": 1.61,
+                                             "images_per_s": 79503.1, "gpu_busy": 0.93, "projected_minutes": 1.3}]}}
     text = markdown(report)
-    assert "| tests | pass | 60.0 |" in text and "| bench-run | FAIL | 300.0 |" in text
+    assert "| tests | pass | 60.0 | 130 |" in text and "| bench-run | FAIL | 300.0 | 60 |" in text
     assert "ResNet-20 bn, CIFAR-10-sized, 120 epochs (bf16, channels_last, compile): 1.9 minutes" in text
     assert "| run | eager | 2.0 | 1.1 |" in text
+    assert "| bn | bf16 | replayed vs plain | 24 | 0 |" in text and "| bn | bf16 | graph | 1.61 | 79503 | 93% | 1.30 |" in text
+
+
+def test_gpu_check_fits_its_budget_with_room_for_the_sections_to_come() -> None:
+    """The default sections, issue 37's and the one reserved for issue 36 included, fit 10
+    minutes with make's offline install (20 s)."""
+    from bnexp.bench.gpu_check import SECTIONS, TOTAL_BUDGET_S
+
+    default = [s for s in SECTIONS if s.default]
+    assert sum(s.budget_s for s in default) <= TOTAL_BUDGET_S == 580
+    assert {s.name for s in default if not s.command} == {"table-cost"}
 
 
 def test_gpu_check_runs_the_named_checks_only() -> None:
     """``make gpu-check CHECKS="tests bench-step"``: a lease too short for every check runs some."""
     from bnexp.bench.gpu_check import checks, chosen
 
-    assert [name for name, _ in chosen(checks(True), ["bench-step", "tests"])] == ["tests", "bench-step"]
-    assert chosen(checks(True), []) == checks(True)
-    with pytest.raises(SystemExit, match="unknown check 'bench-nope'; checks: tests, bench-norms"):
+    assert [s.name for s in chosen(checks(True), ["bench-step", "tests"])] == ["tests", "bench-step"]
+    assert [s.name for s in chosen(checks(True), [])] == ["tests", "step-graph", "imagenet-input"]
+    with pytest.raises(SystemExit, match="unknown check 'bench-nope'; checks: tests, step-graph, imagenet-input"):
         chosen(checks(True), ["bench-nope"])
+
+
+def test_gpu_check_stops_a_section_at_its_budget_and_keeps_what_it_wrote(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from bnexp.bench import gpu_check
+
+    monkeypatch.setattr(gpu_check, "OUT", tmp_path)
+    slow = gpu_check.Section("slow", (sys.executable, "-c", "import time; print('measured', flush=True); "
+                                                           "time.sleep(60)"), 1)
+    outcome = gpu_check.run_check(slow)
+    assert outcome["returncode"] is None and not outcome["ok"] and outcome["seconds"] < 30
+    assert "measured" in outcome["tail"] and "stopped at its budget of 1 s" in outcome["tail"]
 
 
 REPO = Path(__file__).resolve().parents[1]

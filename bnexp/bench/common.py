@@ -99,22 +99,25 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def seconds_per_call(fn: Callable[[], Any], number: int, device: torch.device) -> float:
-    """Mean seconds of ``fn`` over ``number`` back-to-back calls, device work included."""
+def seconds_per_call(fn: Callable[[], Any], number: int, device: torch.device,
+                     clock: Callable[[], float] = time.perf_counter) -> float:
+    """Mean seconds of ``fn`` over ``number`` back-to-back calls, device work included
+    (``clock``: wall time, or ``time.process_time`` for this process's CPU time)."""
     synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(number):
         fn()
     synchronize(device)
-    return (time.perf_counter() - start) / number
+    return (clock() - start) / number
 
 
 def measure(cases: Mapping[str, Callable[[], Any]], reps: int, number: int, warmup: int, device: torch.device,
-            interleave: bool = True) -> dict[str, list[float]]:
+            interleave: bool = True, clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Seconds per call of every case, ``reps`` blocks each, after ``warmup`` calls.
 
     ``interleave=False`` times all blocks of one case before the next case (for cases
-    that leave work running in the background, such as DataLoader workers).
+    that leave work running in the background, such as DataLoader workers); ``clock`` as
+    :func:`seconds_per_call`.
     """
     for fn in cases.values():
         for _ in range(warmup):
@@ -124,7 +127,7 @@ def measure(cases: Mapping[str, Callable[[], Any]], reps: int, number: int, warm
     order = [item for _ in range(reps) for item in items] if interleave else [i for i in items for _ in range(reps)]
     times: dict[str, list[float]] = {name: [] for name in cases}
     for name, fn in order:
-        times[name].append(seconds_per_call(fn, number, device))
+        times[name].append(seconds_per_call(fn, number, device, clock))
     return times
 
 

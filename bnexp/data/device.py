@@ -125,16 +125,67 @@ class TrainBatches:
     def __len__(self) -> int:
         return -(-len(self.sampler) // self.batch_size)
 
-    def __iter__(self) -> Iterator[Batch]:
+    def epoch(self) -> tuple[Tensor, Optional[Draws]]:
+        """The sampler's whole current epoch (its offset ignored): its indices on the device and,
+        with augmentation, the crops and flips drawn for it from :func:`epoch_seed`."""
         s = self.sampler
-        indices = s.epoch_tensor()[s.offset :].to(self.split.images.device, non_blocking=True)
-        drawn: Optional[Draws] = None
-        if self.padding is not None:
-            self.generator.manual_seed(epoch_seed(s.seed, s.epoch, s.rank))
-            drawn = tuple(d[s.offset :] for d in draws(s.num_samples, self.padding, self.generator))
-        for start in range(0, len(indices), self.batch_size):
+        indices = s.epoch_tensor().to(self.split.images.device, non_blocking=True)
+        if self.padding is None:
+            return indices, None
+        self.generator.manual_seed(epoch_seed(s.seed, s.epoch, s.rank))
+        return indices, draws(s.num_samples, self.padding, self.generator)
+
+    def __iter__(self) -> Iterator[Batch]:
+        offset = self.sampler.offset
+        indices, drawn = self.epoch()
+        for start in range(offset, len(indices), self.batch_size):
             part = slice(start, start + self.batch_size)
             yield self.split.batch(indices[part], self.padding, None if drawn is None else tuple(d[part] for d in drawn))
+
+
+class PackedEpochs:
+    """The training batches of every run of a pack (each run's :class:`TrainBatches`, alone:
+    one) drawn an epoch at a time into tensors at fixed addresses on the device: the epoch's
+    indices of every run (``(runs, n)``) and their crops and flips. A step gathers its batch of
+    every run at a position held on the device (:meth:`batch`), so it needs no host work and
+    a CUDA graph can replay it; the images are those :class:`TrainBatches` yields, bit for bit,
+    packed along the channels as :func:`bnexp.models.packing.pack_inputs` packs them (with
+    labels ``(N, runs)``; alone ``(N, C, H, W)`` and ``(N,)``)."""
+
+    def __init__(self, runs: Sequence[TrainBatches]) -> None:
+        self.runs = list(runs)
+        first = self.runs[0]
+        self.split, self.padding, self.batch_size = first.split, first.padding, first.batch_size
+        n, device = first.sampler.num_samples, first.split.images.device
+        self.indices = torch.zeros(len(self.runs), n, dtype=torch.long, device=device)
+        self.drawn = None if self.padding is None else (
+            torch.zeros_like(self.indices), torch.zeros_like(self.indices), torch.zeros_like(self.indices, dtype=torch.bool))
+
+    def batch_size_at(self, position: int) -> int:
+        """How many images batch ``position`` of an epoch holds (the last one may hold fewer)."""
+        return min(self.batch_size, self.indices.shape[1] - position * self.batch_size)
+
+    def start_epoch(self, epoch: int) -> None:
+        """Draw epoch ``epoch`` of every run into the fixed tensors."""
+        for row, run in enumerate(self.runs):
+            run.sampler.set_epoch(epoch)
+            indices, drawn = run.epoch()
+            self.indices[row].copy_(indices)
+            if drawn is not None:
+                for mine, theirs in zip(self.drawn, drawn):
+                    mine[row].copy_(theirs.view(-1))
+
+    def batch(self, position: Tensor, size: int) -> Batch:
+        """The ``size`` images of every run at batch ``position`` (a 0-d tensor on the device) of the epoch."""
+        runs = len(self.runs)
+        columns = torch.arange(size, device=position.device) + position * self.batch_size
+        index = self.indices.index_select(1, columns).view(-1)  # run by run
+        drawn = None if self.drawn is None else tuple(d.index_select(1, columns).view(-1, 1) for d in self.drawn)
+        x, y = self.split.batch(index, self.padding, drawn)
+        if runs == 1:
+            return x, y
+        x = x.view(runs, size, *x.shape[1:]).transpose(0, 1).reshape(size, runs * x.shape[1], *x.shape[2:])
+        return x, y.view(runs, size).t().contiguous()
 
 
 def device_batches(data: ArrayData, cfg: Mapping[str, Any], samplers: Sequence[EpochSampler], batch_size: int,

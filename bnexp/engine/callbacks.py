@@ -42,6 +42,9 @@ class TrainState:
     dist: Dist = field(default_factory=Dist)  # rank and world size (rank 0 of 1 unless under torchrun)
     train_data: Optional[Dataset] = None  # the training set (probes draw batches from it); None in benches
     summary: dict = field(default_factory=dict)  # the run's summary.json so far (loggers mirror it at the end)
+    # Each parameter group's lr of the coming step, float64 on the device, updated in place
+    # inside the engine's step (bnexp.engine.step.TrainStep); None outside it.
+    device_lr: Optional[torch.Tensor] = None
 
     @property
     def epoch(self) -> float:
@@ -53,7 +56,15 @@ class TrainState:
 
 
 class Callback:
-    """Base class: override the hooks you need."""
+    """Base class: override the hooks you need.
+
+    ``capturable`` hooks do only device work in ``before_step`` and ``after_backward``
+    (tensors at fixed addresses, no host read, no value that changes between steps), which
+    therefore run inside the engine's step and may be captured in its CUDA graph
+    (``trainer.cuda_graph``); the ``before_step`` of the others runs on the host just before
+    the step, and a graph is not used when one of them has an ``after_backward``."""
+
+    capturable = False
 
     def on_train_start(self, state: TrainState) -> None:
         """After the model, optimizer and data exist, before a checkpoint (if any) is restored."""
@@ -80,6 +91,11 @@ class Callback:
         (:func:`ended_on_stop`): ``preempted`` or ``interrupted`` (a signal, after a
         checkpoint) or ``failed``. Nothing may be measured or written here: the run resumes
         from its checkpoint."""
+
+    def captured_with(self) -> Any:
+        """What the device work of a capturable hook depends on besides tensors (e.g. which
+        runs are frozen): when it changes, the step is captured again."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must hold for the callback to resume exactly."""

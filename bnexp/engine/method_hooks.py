@@ -10,23 +10,41 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
 
 from bnexp.engine.callbacks import Callback, TrainState
 from bnexp.models.scale_invariance import scale_invariant_weights, weight_norms
 from bnexp.nn import BNP, NormFamily
+from bnexp.nn.family import set_adaptive_eta
 from bnexp.support.distributed import bnp_reducer
 from bnexp.support.runinfo import MetricsWriter
 
 
 class AmatLearningRate(Callback):
-    """Hand the lr of the coming step to every AMAT layer (only when it changed)."""
+    """Hand the lr of the coming step to every AMAT layer: inside the engine's step, as
+    adaptive AMAT's eta computed on the device from the step's lr (one tensor all layers read,
+    :func:`bnexp.nn.family.set_adaptive_eta`); elsewhere (a step without a device lr) as a
+    float, when it changed."""
+
+    capturable = True
 
     def on_train_start(self, state: TrainState) -> None:
         self.layers = [m for m in state.model.modules() if isinstance(m, NormFamily) and m.amat]
         self.lr: Optional[float] = None
+        self.eta: Optional[Tensor] = None  # the adaptive layers' eta under a device lr
 
     def before_step(self, state: TrainState) -> None:
+        if state.device_lr is not None:
+            adaptive = [m for m in self.layers if m.amat_eta is None]
+            if adaptive and self.eta is None:
+                self.eta = torch.zeros((), dtype=adaptive[0].amat_mean.dtype, device=state.device_lr.device)
+                for m in adaptive:
+                    m.read_eta_from(self.eta)
+            if self.eta is not None:
+                set_adaptive_eta(self.eta, state.device_lr[0])
+            return
         lr = state.lr
         if lr != self.lr:
             for m in self.layers:
@@ -36,6 +54,8 @@ class AmatLearningRate(Callback):
 
 class BnpPreconditioner(Callback):
     """BNP over the whole model: statistics from forward hooks, gradients rewritten after backward."""
+
+    capturable = True
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings

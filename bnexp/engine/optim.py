@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import SGD, Adam, Optimizer
 from torch.optim.lr_scheduler import ChainedScheduler, ConstantLR, LinearLR, LRScheduler, MultiStepLR
 
@@ -46,11 +46,75 @@ def build_optimizer(model: nn.Module, cfg: Mapping[str, Any]) -> Optimizer:
     if cfg["name"] == "adam":
         optimizer: Optimizer = Adam(groups, lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["eps"])
     else:
-        optimizer = SGD(groups, lr=cfg["lr"], momentum=cfg.get("momentum", 0.0),
-                        nesterov=bool(cfg.get("nesterov", False)))
+        optimizer = DeviceLrSGD(groups, lr=cfg["lr"], momentum=cfg.get("momentum", 0.0),
+                                nesterov=bool(cfg.get("nesterov", False)))
     if len(groups) > 2:
         optimizer.register_step_pre_hook(pull_to_targets)
     return optimizer
+
+
+class DeviceGroup(NamedTuple):
+    """The settings of one parameter group that :meth:`DeviceLrSGD.device_step` reads."""
+
+    params: list[Tensor]
+    weight_decay: float
+    momentum: float
+    dampening: float
+    nesterov: bool
+    decay: float  # pull toward target (affine_decay_groups); 0: none
+    target: float
+
+
+class DeviceLrSGD(SGD):
+    """torch.optim.SGD with a second way to step, :meth:`device_step`, whose learning rates
+    come from a float64 tensor on the parameters' device (one per group, updated in place by
+    :class:`bnexp.engine.step.TrainStep`) instead of the groups' floats, so that the step can
+    be compiled whole and captured in a CUDA graph (torch's SGD reads a tensor rate on the host
+    with ``.item()``). :meth:`step` is torch's own."""
+
+    def prepare_device_step(self) -> None:
+        """Take the groups' settings (they stay as they are while training; call again after
+        loading a state with other ones): :meth:`device_step` then reads no group dict, whose
+        changing ``lr`` would make torch.compile trace it again."""
+        if any(group["maximize"] for group in self.param_groups):
+            raise ValueError("DeviceLrSGD.device_step does not implement maximize=True")
+        self.device_groups = [DeviceGroup(list(g["params"]), g["weight_decay"], g["momentum"], g["dampening"],
+                                          g["nesterov"], g.get("decay", 0.0), g.get("target", 0.0))
+                              for g in self.param_groups]
+
+    def device_step(self, lr: Tensor) -> None:
+        """torch's SGD step with group ``i`` at rate ``lr[i]``, :func:`pull_to_targets` included
+        (this step does not go through ``step``'s hooks): decay and momentum as multi-tensor
+        calls of the same operations, the update as ``param.addcmul_(d_p, lr, value=-1)``, which
+        on the CPU rounds as torch's ``param.add_(d_p, alpha=-lr)`` does (once; ``d_p * lr``
+        formed first would round twice). Tells the lr schedule that the optimizer stepped, as
+        the wrapper it puts around ``step`` does."""
+        with torch.no_grad():
+            for group, rate in zip(self.device_groups, lr.unbind()):
+                params = [p for p in group.params if p.grad is not None]
+                if params:
+                    self._device_update(group, params, rate.to(params[0].dtype))
+        self._opt_called = True
+
+    def _device_update(self, group: DeviceGroup, params: list[Tensor], lr: Tensor) -> None:
+        if group.decay:
+            pull_to_target(params, group.decay, group.target)
+        grads = [p.grad for p in params]
+        if group.weight_decay != 0:
+            grads = torch._foreach_add(grads, params, alpha=group.weight_decay)
+        if group.momentum != 0:
+            states = [self.state[p] for p in params]
+            old = [(s["momentum_buffer"], g) for s, g in zip(states, grads) if "momentum_buffer" in s]
+            if old:
+                torch._foreach_mul_([b for b, _ in old], group.momentum)
+                torch._foreach_add_([b for b, _ in old], [g for _, g in old], alpha=1 - group.dampening)
+            for s, g in zip(states, grads):
+                if "momentum_buffer" not in s:  # its first step: the buffer starts as the gradient
+                    s["momentum_buffer"] = g.detach().clone()
+            bufs = [s["momentum_buffer"] for s in states]
+            grads = torch._foreach_add(grads, bufs, alpha=group.momentum) if group.nesterov else bufs
+        for p, d_p in zip(params, grads):
+            p.addcmul_(d_p, lr, value=-1)
 
 
 def affine_decay_groups(model: nn.Module, rest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -80,9 +144,13 @@ def pull_to_targets(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     with torch.no_grad():
         for group in optimizer.param_groups:
             if group.get("decay"):
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad.add_(p - group["target"], alpha=group["decay"])
+                pull_to_target([p for p in group["params"] if p.grad is not None], group["decay"], group["target"])
+
+
+def pull_to_target(params: list[Tensor], decay: float, target: float) -> None:
+    """``p.grad += decay * (p - target)`` for each of ``params`` (under no_grad)."""
+    for p in params:
+        p.grad.add_(p - target, alpha=decay)
 
 
 def to_steps(value: float, unit: str, steps_per_epoch: int) -> int:

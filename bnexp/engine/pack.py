@@ -137,7 +137,10 @@ class FreezeDiverged(Callback):
     :attr:`Member.status` is the record; :meth:`freeze` is called as it is set).
     :meth:`freeze` zeroes a slot's parameters and momentum; after backward its gradients
     are zeroed (:attr:`frozen`, on the host: no sync a step), so SGD keeps it at zero;
-    :attr:`alive` takes its loss out of the sum (:meth:`PackTrainer.criterion`)."""
+    :attr:`alive` takes its loss out of the sum (:meth:`PackTrainer.criterion`). A captured
+    step is captured again when :attr:`frozen` changes (:meth:`captured_with`)."""
+
+    capturable = True
 
     def __init__(self, runs: int, device: torch.device = torch.device("cpu")) -> None:
         self.runs = runs
@@ -153,6 +156,9 @@ class FreezeDiverged(Callback):
                 momentum = state.optimizer.state.get(p, {}).get("momentum_buffer")
                 if momentum is not None:
                     momentum.chunk(self.runs)[run].zero_()
+
+    def captured_with(self) -> tuple[int, ...]:
+        return tuple(self.frozen)
 
     def after_backward(self, state: TrainState) -> None:
         if not self.frozen:

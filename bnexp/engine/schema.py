@@ -197,6 +197,7 @@ class TrainerKeys(TypedDict, total=False):
     amp: Optional[choice((*AMP_DTYPES, False))]  # YAML reads a bare off as false (bnexp.engine.amp_compile.amp_mode)
     channels_last: bool
     compile: bool
+    cuda_graph: bool
 
 
 @with_config(STRICT)

@@ -4,7 +4,7 @@ configs to each run's metrics.csv, checkpoints and summary.json.
 A :class:`Trainer` holds K members (one per run directory; K = 1 for a run alone, the path
 :func:`train` takes) around one model, optimizer and schedule. Read :meth:`Trainer.run` and
 :meth:`Trainer.train_steps` top to bottom: resume from the newest checkpoint if there is one;
-loop over steps (next batch, forward, backward, hooks, optimizer step: :func:`train_step`);
+loop over steps (batch, forward, backward, hooks, optimizer step: :class:`bnexp.engine.step.TrainStep`);
 check the training loss every ``trainer.log_every`` steps (a member whose loss is not finite
 diverged: a run alone stops there), write each member's evaluation row every
 ``trainer.eval_every`` and its checkpoint every ``trainer.checkpoint_every``; on a preemption
@@ -24,6 +24,7 @@ import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -35,24 +36,27 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from bnexp.data import DataBundle, build_data, data_identity
+from bnexp.data.device import EvalBatches
 from bnexp.data.loaders import Loaders, build_seeded_loaders, drop_last
 from bnexp.engine import checkpoint
 from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import Callback, TrainState, ended_on_stop
 from bnexp.engine.config import validate
 from bnexp.engine.console import RunConsole
+from bnexp.engine.evaluation import DeviceEvaluation, test_rows
 from bnexp.engine.identity import fingerprint, run_differences
 from bnexp.engine.loggers import logger_callback
 from bnexp.engine.method_hooks import method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule, to_steps
 from bnexp.engine.preemption import Preempted, PreemptionGuard
 from bnexp.engine.schema import RESUME_MODES
+from bnexp.engine.step import TrainMeter, TrainStep, cuda_graph_wanted, step_batches
 from bnexp.models import build_model, count_parameters
 from bnexp.models.packing import pack_inputs, per_run
 from bnexp.nn.create_norm import uses_batch_statistics
 from bnexp.probes.callback import probes_callback
 from bnexp.support import distributed
-from bnexp.support.distributed import Dist, gather_objects, max_over_ranks, sum_over_ranks
+from bnexp.support.distributed import Dist, gather_objects, max_over_ranks
 from bnexp.support.errors import ConfigError, OtherRunThere
 from bnexp.support.runinfo import MetricsWriter, configure_backends, resolve_device, seed_everything, version_stamp, write_json
 
@@ -82,62 +86,13 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, num_cla
             sums[run, 1:] += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum()]).double()
         count += len(y)
     model.train(was_training)
-    totals = sum_over_ranks(torch.cat([sums.flatten(), sums.new_tensor([count])])).tolist()
-    count = totals.pop()
-    rows = []
-    for loss_sum, top1, topk in zip(totals[0::3], totals[1::3], totals[2::3]):
-        row = {"test_loss": loss_sum / count, "test_acc": 100 * top1 / count}
-        if k == 5:
-            row["test_top5"] = 100 * topk / count
-        rows.append(row)
-    return rows
+    return test_rows(sums, count, k)
 
 
 def pad_batch(x: torch.Tensor, size: int) -> torch.Tensor:
     """``x`` with zero images appended up to ``size``: a compiled model in eval mode (each
     image on its own) then runs every evaluation batch through one graph."""
     return x if len(x) == size else torch.cat([x, x.new_zeros(size - len(x), *x.shape[1:])])
-
-
-class TrainMeter:
-    """Sums loss and correct predictions on the device (five small kernels a step, no sync;
-    the count of images stays on the host); read (one sync) when reported. One row of sums
-    per run of a packed model (``runs``)."""
-
-    def __init__(self, device: torch.device, runs: int = 1) -> None:
-        self.sums = torch.zeros(runs, 3, device=device, dtype=torch.float64)  # loss*n, correct, n (filled on read)
-        self.count = 0
-
-    def reset(self) -> None:
-        self.sums.zero_()
-        self.count = 0
-
-    def add(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
-        """A step's mean loss (one per run), logits (``(N, runs * classes)``) and targets
-        (``(N,)``, or ``(N, runs)`` for a pack)."""
-        n, runs = len(y), len(self.sums)
-        self.sums[:, 0].add_(loss.reshape(runs), alpha=n)  # in float64
-        self.sums[:, 1].add_(per_run(logits, runs).argmax(dim=2).eq(y.view(n, runs)).sum(0))
-        self.count += n
-
-    def state(self) -> torch.Tensor:
-        """``[loss * n, correct, n]`` per run summed since the last reset (for checkpoints and reads)."""
-        self.sums[:, 2].fill_(self.count)
-        return self.sums
-
-    def load(self, sums: Sequence[torch.Tensor], rank: int = 0) -> None:
-        """Each run's sums as its checkpoint holds them: one block per process
-        (``(processes, 1, 3)``, :meth:`Trainer.payloads`) of which process ``rank`` takes its
-        own; or, in checkpoints written before, one row (a pack's) or 3 values (a run's from
-        before packing existed)."""
-        self.sums.copy_(torch.cat([s[rank] if s.dim() == 3 else s.view(1, 3) for s in sums]))
-        self.count = int(self.sums[0, 2])
-
-    def read_runs(self) -> list[tuple[float, float]]:
-        """(mean loss, accuracy in percent) per run over all processes since the last reset;
-        NaN if non-finite."""
-        sums = sum_over_ranks(self.state().clone()).tolist()
-        return [(loss_sum / n, 100 * correct / n) if n else (float("nan"), float("nan")) for loss_sum, correct, n in sums]
 
 
 def total_steps(cfg: DictConfig, steps_per_epoch: int) -> int:
@@ -227,6 +182,11 @@ class Trainer:
         self.console = RunConsole([m.run_dir for m in members], labels, members[0].summary.get("params"))
         self.callbacks = [*self.shared, *(cb for m in self.running() for cb in m.callbacks), self.console]
         self.meter = TrainMeter(state.device, len(members))
+        self.graphed = cuda_graph_wanted(state, net, self.callbacks)  # trainer.cuda_graph, where it can be had
+        test = loaders[0].test
+        self.test_metrics = (DeviceEvaluation(net, test, num_classes, len(members), self.graphed)
+                             if isinstance(test, EvalBatches) else
+                             partial(evaluate, net, test, state.device, num_classes, len(members)))
         self.elapsed_before = 0.0  # seconds trained before the latest resume
         self.started = time.perf_counter()
 
@@ -314,16 +274,16 @@ class Trainer:
         log_every = int(cfg.log_every)
         clock = CheckpointClock(cfg.checkpoint_every, cfg.checkpoint_unit, state.steps_per_epoch, log_every)
         state.model.train()
-        batches = self.batches()
+        step = TrainStep(state, self.net, self.meter, self.callbacks, self.criterion,
+                         step_batches(self.loaders, self.batches), self.graphed)
         runs = len(self.members)
         bar = tqdm(total=state.total_steps, initial=state.step, desc="train" if runs == 1 else f"train x{runs}",
                    disable=not sys.stderr.isatty(), dynamic_ncols=True)
         lr = state.lr
         while state.step < state.total_steps:
-            x, y = next(batches)
             lr = state.lr
-            logits, loss = train_step(self.net, state.optimizer, self.callbacks, state, x, y, self.criterion)
-            last = end_step(state, self.meter, self.callbacks, loss, logits, y, bar)
+            step.run()
+            last = end_step(state, self.callbacks, bar)
             if state.step % log_every == 0 or state.step % eval_every == 0 or last:
                 train = self.check_losses(lr)
                 if not self.running():
@@ -355,7 +315,7 @@ class Trainer:
         if only is None:
             self.meter.reset()
         s, improved = self.state, []
-        tests = evaluate(self.net, self.loaders[0].test, s.device, self.num_classes, len(self.members))
+        tests = self.test_metrics()
         for m, run_train, test in zip(self.members, train, tests):
             if m is not only and (only is not None or m.status != "running"):
                 continue
@@ -518,12 +478,15 @@ def train_step(net: AmpCompileWrapper, optimizer: torch.optim.Optimizer, callbac
                x: torch.Tensor, y: torch.Tensor,
                criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimization step on ``(x, y)``: callbacks around forward, loss, backward and update.
+    """One optimization step on ``(x, y)``: callbacks around forward, loss, backward and update,
+    at the learning rates of the optimizer's groups (host floats).
 
     Returns the logits and the loss: ``criterion``'s, the mean cross-entropy, or for a packed
     model one mean loss per run, whose sum is differentiated (each run's gradient is its
-    own). The learning-rate schedule, buffer averaging and the step count are the caller's
-    (``bnexp bench step`` times exactly this function).
+    own). The learning-rate schedule, buffer averaging and the step count are the caller's.
+    This is the step as the loop took it before :class:`bnexp.engine.step.TrainStep`, which
+    computes the same bits (tests/test_step.py); ``bnexp bench step`` and ``bench graph``
+    time it as "today's" step.
     """
     for cb in callbacks:
         cb.before_step(state)
@@ -537,14 +500,13 @@ def train_step(net: AmpCompileWrapper, optimizer: torch.optim.Optimizer, callbac
     return logits, loss
 
 
-def end_step(state: TrainState, meter: TrainMeter, callbacks: list[Callback], loss: torch.Tensor,
-             logits: torch.Tensor, y: torch.Tensor, bar: tqdm) -> bool:
-    """After a training step: the lr schedule, buffer averaging (under torchrun), the step
-    count, the meter and the hooks' ``after_step``. Whether it was the last step."""
+def end_step(state: TrainState, callbacks: list[Callback], bar: tqdm) -> bool:
+    """After a training step (:class:`bnexp.engine.step.TrainStep`): the lr schedule, buffer
+    averaging (under torchrun), the step count and the hooks' ``after_step``. Whether it was
+    the last step."""
     state.scheduler.step()
     distributed.average_buffers(state.model)
     state.step += 1
-    meter.add(loss.detach(), logits.detach(), y)
     for cb in callbacks:
         cb.after_step(state)
     bar.update(1)

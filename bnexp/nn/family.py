@@ -129,6 +129,14 @@ class NormFamily(ChannelNorm):
             self.amat_eta_now.fill_(max(1.0 - AMAT_OMEGA * lr, 0.0))
             self._lr_known = True
 
+    def read_eta_from(self, eta: Tensor) -> None:
+        """Adaptive AMAT: take eta from ``eta`` (this layer's dtype and device), which its owner
+        updates in place (:func:`set_adaptive_eta`) before each training step, so that one
+        tensor at a fixed address serves every layer (what a CUDA graph needs)."""
+        if self.amat and self.amat_eta is None:
+            self.amat_eta_now = eta
+            self._lr_known = True
+
     def forward(self, x: Tensor) -> Tensor:
         self.check_input(x)
         if self.amat:
@@ -326,6 +334,13 @@ def set_learning_rate(model: nn.Module, lr: float) -> int:
     for m in layers:
         m.set_learning_rate(lr)
     return len(layers)
+
+
+def set_adaptive_eta(eta: Tensor, lr: Tensor) -> None:
+    """``eta = max(1 - omega * lr, 0)`` from a float64 learning rate on the device, in place:
+    the float64 operations :meth:`NormFamily.set_learning_rate` does on a Python float, then
+    one rounding to ``eta``'s dtype, so the same value."""
+    eta.copy_((1.0 - AMAT_OMEGA * lr).clamp_min(0.0))
 
 
 # The flags of bnexp.nn.NormFamily (METHODS.md section 2), shared by its presets.

@@ -1,0 +1,289 @@
+"""The engine's step (bnexp/engine/step.py) computes what the step before it computed, bit for
+bit, and asks nothing of the host: no read of a device value, no tensor made from host data,
+no host value that changes from step to step (what a CUDA graph would bake in)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from bnexp.data import build_data
+from bnexp.data.device import PackedEpochs
+from bnexp.data.loaders import build_seeded_loaders
+from bnexp.engine.amp_compile import AmpCompileWrapper
+from bnexp.engine.callbacks import Callback, TrainState
+from bnexp.engine.evaluation import DeviceEvaluation
+from bnexp.engine.method_hooks import AmatLearningRate, BnpPreconditioner, WeightNormLog, method_callbacks
+from bnexp.engine.optim import build_optimizer, build_schedule
+from bnexp.engine.pack import FreezeDiverged
+from bnexp.engine.step import HostUse, TrainMeter, TrainStep
+from bnexp.engine.trainer import evaluate, train, train_step
+from bnexp.models import DataSpec, build_model
+from bnexp.models.packing import pack_inputs, pack_models, packed_losses
+from bnexp.nn import BatchRenorm2d, CBN2d, FourThingsBN2d
+from bnexp.support.runinfo import seed_everything
+from tests.conftest import TINY, compose_cfg, read_metrics
+
+CPU = torch.device("cpu")
+RUNS = 2
+STEPS = 20
+STEPS_PER_EPOCH = 8  # the table of rates is filled at steps 0, 8 and 16
+NAN_AT, FREEZE_AT = 12, 14  # run 1's loss turns NaN at step 12; it is frozen at step 14, as the trainer does
+# momentum and weight decay, a 3-step linear warmup, the lr divided by 10 at step 10
+PROTOCOL = ["model=resnet20", "model.width=4", "optim.lr=0.05", "optim.momentum=0.9", "optim.weight_decay=5e-4",
+            "schedule.unit=step", "schedule.milestones=[10]", "schedule.warmup=3", "schedule.warmup_mode=linear",
+            "trainer.device=cpu"]
+NORMS = {  # brn with its schedule within the 20 steps; bn_4things with ghost batches and its pull toward 1 and 0
+    "bn": [], "cbn": [], "bnp": [], "brn": ["norm.relax_start=2", "norm.r_max_step=12", "norm.d_max_step=8"],
+    "bn_4things": ["norm.ghost_batch=3"],
+}
+SPEC = DataSpec(10, 3, 8)
+
+
+class Pack:
+    """A pack of :data:`RUNS` ResNet-20s with the trainer's optimizer, schedule, method hooks
+    and frozen-run mask, and :data:`STEPS` batches of its own, NaN in run 1 at :data:`NAN_AT`."""
+
+    def __init__(self, norm: str, dtype: torch.dtype, tmp_path: Path, device: torch.device = CPU) -> None:
+        cfg = compose_cfg([*PROTOCOL, f"norm={norm}", *NORMS[norm]])
+        models = []
+        for run in range(RUNS):
+            seed_everything(run)
+            models.append(build_model(cfg.model, cfg.norm, cfg.act.name, SPEC).to(device, dtype))
+        self.model = pack_models(models)
+        self.net = AmpCompileWrapper(self.model, device)
+        optimizer = build_optimizer(self.model, cfg.optim)
+        scheduler = build_schedule(optimizer, cfg.schedule, STEPS_PER_EPOCH)
+        self.state = TrainState(cfg, tmp_path, device, self.model, optimizer, scheduler, STEPS_PER_EPOCH, STEPS)
+        self.freezer = FreezeDiverged(RUNS, device)
+        self.callbacks = [*(cb for cb in method_callbacks(cfg) if not isinstance(cb, WeightNormLog)), self.freezer]
+        for cb in self.callbacks:
+            cb.on_train_start(self.state)
+        self.meter = TrainMeter(device, RUNS)
+        g = torch.Generator().manual_seed(7)
+        self.data = [(torch.randn(8, 3 * RUNS, 8, 8, generator=g, dtype=dtype) * 2 + 0.5,
+                      torch.randint(10, (8, RUNS), generator=g)) for _ in range(STEPS)]
+        self.data[NAN_AT][0][:, 3:] = float("nan")
+        self.data = [(x.to(device), y.to(device)) for x, y in self.data]
+        self.rates: list[float] = []
+
+    def criterion(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.freezer.alive, packed_losses(logits, y), 0.0)
+
+    def train(self, step: Callable[[torch.Tensor, torch.Tensor], None], steps: range = range(STEPS)) -> None:
+        """``step(x, y)`` for each of ``steps``, with the schedule and the freeze around it."""
+        for s in steps:
+            if s == FREEZE_AT:
+                self.freezer.freeze(self.state, 1)
+            self.rates.append(self.state.lr)
+            step(*self.data[s])
+            self.state.scheduler.step()
+            self.state.step += 1
+
+    def todays_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        logits, loss = train_step(self.net, self.state.optimizer, self.callbacks, self.state, x, y, self.criterion)
+        self.meter.add(loss.detach(), logits.detach(), y)
+
+    def engine_step(self) -> TrainStep:
+        return TrainStep(self.state, self.net, self.meter, self.callbacks, self.criterion, iter(self.data))
+
+    def everything(self) -> dict[str, torch.Tensor]:
+        """Weights, buffers, momentum, the hooks' state and the training sums."""
+        out = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        out.update({f"momentum.{i}": s["momentum_buffer"] for i, s in enumerate(self.state.optimizer.state.values())})
+        for cb in self.callbacks:
+            out.update({f"{type(cb).__name__}.{k}": v for k, v in cb.state_dict().items()})
+        out["meter"] = self.meter.sums
+        return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaNs and the sign of zero included)."""
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    ints = {torch.float64: torch.int64, torch.float32: torch.int32}[a.dtype]
+    return a.shape == b.shape and torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_step_is_bit_identical_to_todays(norm: str, dtype: torch.dtype, tmp_path: Path) -> None:
+    """20 steps of a pack crossing the warmup, an lr milestone, two epochs' tables and a
+    divergence (NaN, then the run frozen): every weight, buffer, momentum, hook state and
+    training sum equal to the step before this one's, and the device's rates to the schedule's."""
+    today, engine = Pack(norm, dtype, tmp_path), Pack(norm, dtype, tmp_path)
+    today.train(today.todays_step)
+    step = engine.engine_step()
+    rates = []
+    engine.train(lambda x, y: (step.run(), rates.append(float(step.lr[0]))))
+    assert rates == today.rates == engine.rates and len(set(rates)) == 4  # warmup 0.1, 0.4, 0.7, then 1 and 0.1
+    a, b = today.everything(), engine.everything()
+    assert a.keys() == b.keys()
+    assert [k for k in a if not same_bits(a[k], b[k])] == []
+    assert not any(p.isnan().any() for p in engine.model.parameters())  # the NaN run was frozen (zeroed)
+
+
+def audit(pack: Pack, step: Callable[[torch.Tensor, torch.Tensor], None]) -> list[str]:
+    """What :class:`HostUse` finds in steps 1-4 of ``pack`` (the warmup's rates change each
+    step, until step 3), after a first step that creates the momentum."""
+    pack.train(step, range(1))
+    mode = HostUse(pack.state.device)
+    with mode:
+        for s in range(1, 5):
+            mode.step()
+            pack.train(step, range(s, s + 1))
+    return mode.problems()
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_step_asks_nothing_of_the_host(norm: str, tmp_path: Path) -> None:
+    pack = Pack(norm, torch.float32, tmp_path)
+    pack.freezer.freeze(pack.state, 1)  # a frozen run's work is in the step too
+    step = pack.engine_step()
+    assert audit(pack, lambda x, y: step.run()) == []
+
+
+def test_host_use_finds_what_a_graph_would_bake_in(tmp_path: Path) -> None:
+    """Today's step passes the rate to the update as a Python float, and AMAT's eta as one."""
+    pack = Pack("cbn", torch.float32, tmp_path)
+    found = audit(pack, pack.todays_step)
+    assert len(found) == 1 and "host values" in found[0], found
+
+
+class ReadsTheLoss(Callback):
+    """A bad in-step hook: reads a device value (a Python branch on data needs one)."""
+
+    capturable = True
+
+    def after_backward(self, state: TrainState) -> None:
+        if next(state.model.parameters()).grad.sum() > 0:
+            pass
+
+
+class MakesATensor(Callback):
+    """A bad in-step hook: a tensor made from a host value each step."""
+
+    capturable = True
+
+    def before_step(self, state: TrainState) -> None:
+        torch.tensor(state.lr) * 2
+
+
+@pytest.mark.parametrize("bad", [ReadsTheLoss, MakesATensor])
+def test_host_use_finds_a_bad_step(bad: type[Callback], tmp_path: Path) -> None:
+    pack = Pack("bn", torch.float32, tmp_path)
+    pack.callbacks.insert(0, bad())
+    step = pack.engine_step()
+    found = audit(pack, lambda x, y: step.run())
+    expected = "waits for a device value" if bad is ReadsTheLoss else "a tensor made from host data"
+    assert found and expected in found[0], found
+
+
+def test_host_use_finds_cpu_tensors_in_a_step_on_another_device() -> None:
+    mode = HostUse(torch.device("cuda"))  # the rule for a GPU's step; here every operand is on the CPU
+    with mode:
+        mode.step()
+        torch.ones(3).add_(torch.ones(3))
+    assert any("a CPU tensor among its operands" in p for p in mode.problems())
+
+
+@pytest.mark.slow
+def test_whole_step_compiles_to_one_graph_across_lr_changes(tmp_path: Path) -> None:
+    """torch.compile(fullgraph=True) of the step's device work (AMAT, batch renormalization
+    with its schedule, BN with 4 things and its pull toward 1 and 0, BNP, SGD at the device's
+    rates) traces no graph break, and one graph serves the warmup's rates and the milestone's."""
+    from torch._dynamo.utils import counters
+
+    cfg = compose_cfg([*PROTOCOL, "schedule.milestones=[5]"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), CBN2d(4), nn.ReLU(),
+                          nn.Conv2d(4, 4, 3, padding=1), BatchRenorm2d(4, relax_start=1, r_max_step=6, d_max_step=4),
+                          nn.Conv2d(4, 4, 3, padding=1), FourThingsBN2d(4, ghost_batch=3), nn.Flatten(),
+                          nn.Linear(4 * 36, 10))
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_schedule(optimizer, cfg.schedule, STEPS_PER_EPOCH)
+    state = TrainState(cfg, tmp_path, CPU, model, optimizer, scheduler, STEPS_PER_EPOCH, STEPS)
+    callbacks = [AmatLearningRate(), BnpPreconditioner({"rho": 0.9, "eps1": 1e-2, "eps2": 1e-4})]
+    for cb in callbacks:
+        cb.on_train_start(state)
+    g = torch.Generator().manual_seed(1)
+    data = iter([(torch.randn(8, 3, 6, 6, generator=g), torch.randint(10, (8,), generator=g)) for _ in range(8)])
+    step = TrainStep(state, AmpCompileWrapper(model, CPU), TrainMeter(CPU), callbacks, nn.functional.cross_entropy,
+                     data)
+    eager, graphs, rates = step.body, [], []
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        for s in range(8):
+            if s == 1:  # after the step that creates the momentum buffers
+                step.body = torch.compile(eager, fullgraph=True, backend="aot_eager")
+            rates.append(state.lr)
+            step.run()
+            scheduler.step()
+            state.step += 1
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert len(set(rates)) >= 4 and graphs[1] >= 1 and graphs[-1] == graphs[1]
+
+
+@pytest.mark.parametrize("sampling", ["shuffle", "with_replacement"])
+def test_packed_epochs_are_the_runs_batches(sampling: str) -> None:
+    """Every run's batches gathered at a device position, resumed mid-epoch and across epochs
+    (a shorter last batch under shuffle), are those the device loader yields run by run, packed."""
+    cfg = compose_cfg([*TINY, "data.train_size=70", "data.augment=true", "data.loader=device",
+                       f"data.sampling={sampling}"])
+    bundle = build_data(cfg.data)
+    seeds = [0, 1, 2]
+    runs = build_seeded_loaders(bundle, cfg.data, 16, seeds, False, CPU)
+    plan = PackedEpochs([r.train for r in build_seeded_loaders(bundle, cfg.data, 16, seeds, False, CPU)])
+    steps = runs[0].steps_per_epoch
+    start = steps + 2  # resumed inside the second epoch
+    streams = [r.epochs_from(start) for r in runs]
+    position = torch.zeros((), dtype=torch.long)
+    for s in range(start, 3 * steps):
+        if s == start or s % steps == 0:
+            plan.start_epoch(s // steps)
+            position.fill_(s % steps)
+        want = [next(stream) for stream in streams]
+        x, y = plan.batch(position, plan.batch_size_at(s % steps))
+        assert torch.equal(x, pack_inputs([w[0] for w in want])) and x.is_contiguous()
+        assert torch.equal(y, torch.stack([w[1] for w in want], 1)) and y.is_contiguous()
+        position.add_(1)
+    assert sampling == "with_replacement" or len(y) < 16
+
+
+class Float64(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.double()
+
+
+def test_evaluation_of_a_pack_at_once_gives_todays_rows() -> None:
+    """A pack of 3 in float64 over 37 test images in batches of 10 (the last one padded): each
+    run's accuracies exactly, its loss to float64 rounding, as the loop over runs and batches."""
+    cfg = compose_cfg([*TINY, "data.test_size=37", "data.eval_batch_size=10", "data.loader=device", "norm=cbn"])
+    bundle = build_data(cfg.data)
+    test = build_seeded_loaders(bundle, cfg.data, 16, [0], False, CPU)[0].test
+    models = []
+    for run in range(3):
+        seed_everything(run)
+        models.append(build_model(cfg.model, cfg.norm, cfg.act.name, bundle.spec).double())
+    net = AmpCompileWrapper(nn.Sequential(Float64(), pack_models(models)), CPU)
+    today = evaluate(net, test, CPU, 10, 3)
+    at_once = DeviceEvaluation(net, test, 10, 3)()
+    for mine, theirs in zip(at_once, today, strict=True):
+        assert mine["test_acc"] == theirs["test_acc"] and mine["test_top5"] == theirs["test_top5"]
+        assert mine["test_loss"] == pytest.approx(theirs["test_loss"], rel=1e-13, abs=0)
+
+
+def test_cuda_graph_on_the_cpu_says_so_and_trains_the_same(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    runs = []
+    for graph in (False, True):
+        with caplog.at_level(logging.WARNING, logger="bnexp.train"):
+            train(compose_cfg([*TINY, "norm=cbn", f"trainer.cuda_graph={graph}"]), tmp_path / str(graph))
+        runs.append(read_metrics(tmp_path / str(graph) / "metrics.csv"))
+    warned = [r.getMessage() for r in caplog.records if "cuda_graph" in r.getMessage()]
+    assert len(warned) == 1 and "needs a CUDA device" in warned[0] and "\n" not in warned[0]
+    assert [{k: v for k, v in row.items() if k != "seconds"} for row in runs[0]] == \
+           [{k: v for k, v in row.items() if k != "seconds"} for row in runs[1]]
