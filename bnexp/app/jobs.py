@@ -101,7 +101,8 @@ def train_job(cfg: DictConfig) -> float:
     The outcome goes to the sweep's ledger (:func:`bnexp.app.sweep.record`). A failure ends a
     single run with its exit code; in a sweep the next cell runs. A preemption or Ctrl-C
     ends the sweep (the whole job is being stopped). ``trainer.pack=K`` trains seeds
-    ``trainer.seed`` to ``trainer.seed + K - 1`` as one pack (:func:`pack_jobs`).
+    ``trainer.seed`` to ``trainer.seed + K - 1`` as one pack (:func:`pack_jobs`); in a sweep
+    it is the size of the packing launcher's packs (:func:`packing_launcher`).
     """
     hydra_cfg = HydraConfig.get()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
@@ -109,11 +110,12 @@ def train_job(cfg: DictConfig) -> float:
     prepare_config_tree()  # a launcher's worker process starts without them
     console_log_only_off_rank_0()
     pack = cfg.trainer.get("pack", 1)
-    if isinstance(pack, int) and pack > 1:  # validate() names any other value than an integer >= 1
-        if sweeping:
-            report_error(f"trainer.pack={pack} packs the seeds of one run; a sweep packs its seeds with "
-                         "hydra/launcher=pack (at most hydra.launcher.max_pack per pack)", to_log=False)
-            sys.exit(ConfigError.exit_code)
+    packs = pack == "auto" or isinstance(pack, int) and pack > 1  # validate() names any other value
+    # In a sweep under the packing launcher trainer.pack sizes its packs; this job is alone in its own.
+    if pack == "auto" if not sweeping else packs and not packing_launcher(hydra_cfg):
+        report_error(pack_misplaced(pack, sweeping), to_log=False)
+        sys.exit(ConfigError.exit_code)
+    if packs and not sweeping:
         return train_pack_job(pack_jobs(Job(cfg, hydra_cfg, run_dir), pack), sweeping)[0]
 
     def single() -> list[tuple[str, Any]]:
@@ -122,6 +124,21 @@ def train_job(cfg: DictConfig) -> float:
             return [run_job(cfg, hydra_cfg, run_dir, sweeping)]
 
     return run_and_record([run_dir], sweeping, single)[0]
+
+
+def packing_launcher(hydra_cfg: DictConfig) -> bool:
+    """Whether this job's sweep runs under bnexp's packing launcher (``pack`` or ``pack_slurm``)."""
+    return str(hydra_cfg.get("launcher", {}).get("_target_", "")).startswith("hydra_plugins.bnexp_launcher.")
+
+
+def pack_misplaced(pack: Any, sweeping: bool) -> str:
+    """Why ``trainer.pack`` cannot apply here: ``auto`` on one command line, a size in a sweep
+    whose launcher does not pack."""
+    if sweeping:
+        return (f"trainer.pack={pack} sizes the packs of a sweep, which hydra/launcher=pack (or pack_slurm) "
+                "trains; add it, or leave trainer.pack out")
+    return ("trainer.pack=auto sizes the packs of a sweep (bnexp train -m ... hydra/launcher=pack); on one "
+            "command line give the number of seeds to pack (trainer.pack=10)")
 
 
 ENDED = ("completed", "diverged")  # the statuses of a run that a signal cannot leave unfinished

@@ -19,7 +19,8 @@ from bnexp.data.files import changed_files
 
 # Settings that do not change what a run computes: where it logs, how often it saves or
 # prints, how long its processes wait for each other, which device it runs on, whether it
-# trains packed with other seeds (the same computation, rounded differently), whether data
+# trains packed with other runs and how a pack's convolutions are computed (the same
+# computation, rounded differently), whether data
 # is downloaded and checked. A key covers its whole subtree. (data.num_workers is not one: each DataLoader worker draws its own
 # augmentation.)
 NON_RESULT_KEYS = (
@@ -27,6 +28,7 @@ NON_RESULT_KEYS = (
     "tags",
     "trainer.resume",
     "trainer.pack",
+    "trainer.pack_conv",
     "trainer.device",
     "trainer.log_every",
     "trainer.checkpoint_every",

@@ -145,12 +145,32 @@ def pack_models(models: Sequence[nn.Module], conv: str = GROUPED) -> nn.Module:
     return packed
 
 
+def same_layers(a: nn.Module, b: nn.Module) -> bool:
+    """Whether two (packed) models have the same layers, settings (but ``PER_RUN``), and
+    tensors of the same shapes and dtypes: one can take the other's values (:func:`load_packed`)."""
+    tensors = [dict([*m.named_parameters(), *m.named_buffers()]) for m in (a, b)]
+    return first_difference([a, b]) is None and tensors[0].keys() == tensors[1].keys() and all(
+        t.shape == tensors[1][k].shape and t.dtype == tensors[1][k].dtype for k, t in tensors[0].items())
+
+
+def load_packed(target: nn.Module, source: nn.Module) -> None:
+    """``source``'s values (its state and per-channel buffers) copied into ``target``'s own
+    tensors (:func:`same_layers`), which keep their identity and memory format."""
+    state = source.state_dict()
+    target.load_state_dict(state)
+    theirs = dict(source.named_buffers())
+    with torch.no_grad():
+        for name, buffer in target.named_buffers():
+            if name not in state and buffer.dim() > 0:
+                buffer.copy_(theirs[name])
+
+
 def common_layers(models: Sequence[nn.Module]) -> list[nn.Module]:
     """``models`` with one class and the same plain settings in every layer: where some runs
     have torch's BatchNorm and others the family (BN's flags with another rho), a copy of
     each of the former with the family's form in its place; a ConfigError naming the first
     layer in which the runs differ otherwise."""
-    if _first_difference(models) is None:
+    if first_difference(models) is None:
         return list(models)
     layers = [dict(m.named_modules()) for m in models]
     mixed = [name for name in layers[0] if any(isinstance(layer.get(name), _BatchNorm) for layer in layers)
@@ -163,7 +183,7 @@ def common_layers(models: Sequence[nn.Module]) -> list[nn.Module]:
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent), attr, as_norm_family(model.get_submodule(name)))
         out.append(model)
-    difference = _first_difference(out)
+    difference = first_difference(out)
     if difference is not None:
         raise ConfigError(f"trainer.pack: the runs of a pack differ in {difference}, which the layer keeps as a "
                           "constant: only runs that differ in their seed and in rho (norm.rho) train as one pack")
@@ -174,7 +194,7 @@ _BatchNorm = nn.modules.batchnorm._BatchNorm
 PLAIN = (bool, int, float, str, type(None), tuple)  # the settings a module keeps as attributes
 
 
-def _first_difference(models: Sequence[nn.Module]) -> str | None:
+def first_difference(models: Sequence[nn.Module]) -> str | None:
     """The first layer (and setting) in which ``models`` differ: a class, or a plain attribute
     not in the layer's ``PER_RUN``; None when they agree."""
     layers = [dict(m.named_modules()) for m in models]
