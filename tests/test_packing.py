@@ -792,3 +792,43 @@ def test_runs_that_differ_in_a_constant_of_a_layer_do_not_pack() -> None:
     models = [build_model(cfg.model, cfg.norm, cfg.act.name, DataSpec(10, 3, 8)) for cfg in cfgs]
     with pytest.raises(ConfigError, match=r"differ in stem\.pre\.eps \(1e-05 and 0\.001\)"):
         pack_models(models)
+
+
+@pytest.mark.slow
+def test_a_worker_s_next_pack_of_other_rho_compiles_nothing_new(tmp_path: Path, monkeypatch) -> None:
+    """``trainer.compile``: a process that trains pack after pack (a worker) keeps the first
+    pack's model, wrapper and optimizer for the next pack of the same layers. Packs of other rho
+    values and seeds then run through the graphs dynamo traced for the first (its counters do
+    not move: rho is a tensor the graph reads), and nothing of one pack reaches the next: the
+    same pack trained after a pack of other rho and again after itself is bit-identical.
+    (Dynamo traces with its eager backend here: what is traced is what counts, and inductor
+    would only add minutes of CPU codegen.)"""
+    from torch._dynamo.utils import counters
+
+    from bnexp.engine import pack as pack_module
+    from bnexp.engine.pack import train_pack
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: compile_(*a, **{"backend": "eager", **k}))
+    monkeypatch.setattr(pack_module, "_compiled", [])
+    torch._dynamo.reset()
+    counters.clear()
+
+    def pack(rhos, seeds, name: str) -> list[Path]:
+        cfgs = [compose_cfg([*PACK_RUN, "trainer.compile=true", f"norm.rho={rho}", f"trainer.seed={seed}"])
+                for rho, seed in zip(rhos, seeds)]
+        dirs = [tmp_path / name / str(i) for i in range(len(cfgs))]
+        assert all(s["status"] == "completed" for s in train_pack(cfgs, dirs))
+        return dirs
+
+    pack((0.5, 2.0, 4.0), (3, 4, 5), "first")
+    traced = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
+    assert traced[0] > 0
+    model = pack_module._compiled[0].model
+    pack((1.0, 0.25, 8.0), (0, 1, 2), "other")
+    after_other = pack((0.5, 2.0, 4.0), (3, 4, 5), "after-other")
+    after_itself = pack((0.5, 2.0, 4.0), (3, 4, 5), "after-itself")
+    assert (counters["stats"]["unique_graphs"], counters["frames"]["total"]) == traced
+    assert pack_module._compiled[0].model is model
+    for a, b in zip(after_other, after_itself):
+        assert_same_run(a, b)

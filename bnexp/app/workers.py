@@ -36,7 +36,8 @@ Outcome = list[tuple[int, str, Any]]  # (job index, Hydra's job status name, the
 def write_plan(folder: Path, packs: Sequence[Sequence[tuple[int, Sequence[str]]]]) -> None:
     """The packs to train, each a list of (job index, overrides), into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write(folder / PLAN, json.dumps([[[i, list(o)] for i, o in pack] for pack in packs]))
+    text = json.dumps([[[i, list(o)] for i, o in pack] for pack in packs])
+    atomic_write(folder / PLAN, lambda f: f.write(text.encode()))
 
 
 def read_plan(folder: Path) -> list[list[tuple[int, list[str]]]]:
@@ -80,7 +81,8 @@ class PackClaims:
             os.close(fd)
 
     def finish(self, pack: int, outcome: Outcome) -> None:
-        atomic_write(self.outcome_path(pack), json.dumps(outcome))
+        text = json.dumps(outcome)
+        atomic_write(self.outcome_path(pack), lambda f: f.write(text.encode()))
 
     def take(self) -> Iterator[int]:
         """Claim packs one after another (each held until the next is asked for), until every

@@ -295,7 +295,10 @@ def packed_training(cfg: DictConfig, models: Sequence[nn.Module],
     same layers and settings: its runs' values are copied into them (:func:`load_packed`) and
     the optimizer's state is zeroed in place and its learning rates set back, so the graphs
     dynamo traced for them (forward, backward, optimizer step) serve again, with nothing
-    recompiled: rho and the runs' weights are tensors the graphs read, not constants."""
+    recompiled: rho and the runs' weights are tensors the graphs read, not constants. Such a
+    pack's first optimizer step is compiled, where a pack on new objects takes it eagerly (it
+    creates the optimizer's state): the two differ in the rounding of that step, as compiled
+    and eager steps do (docs/speed.md)."""
     model = pack_models(models, str(cfg.trainer.get("pack_conv", GROUPED)))
     settings = (OmegaConf.to_container(cfg.optim, resolve=True), str(cfg.trainer.get("amp")),
                 bool(cfg.trainer.get("channels_last")), str(device))

@@ -195,8 +195,9 @@ PLAIN = (bool, int, float, str, type(None), tuple)  # the settings a module keep
 
 
 def first_difference(models: Sequence[nn.Module]) -> str | None:
-    """The first layer (and setting) in which ``models`` differ: a class, or a plain attribute
-    not in the layer's ``PER_RUN``; None when they agree."""
+    """The first layer (and setting) in which ``models`` differ: a class, or a plain public
+    attribute (a setting; ``_private`` ones are the layer's bookkeeping) not in the layer's
+    ``PER_RUN``; None when they agree."""
     layers = [dict(m.named_modules()) for m in models]
     if any(layer.keys() != layers[0].keys() for layer in layers):
         return "their layers"
@@ -205,8 +206,8 @@ def first_difference(models: Sequence[nn.Module]) -> str | None:
             if type(other) is not type(first):
                 return f"{name or 'the model'} ({type(first).__name__} and {type(other).__name__})"
             for key, value in vars(first).items():
-                if isinstance(value, PLAIN) and key not in getattr(first, "PER_RUN", ()) and \
-                        vars(other).get(key) != value:
+                if isinstance(value, PLAIN) and not key.startswith("_") and key not in getattr(first, "PER_RUN", ()) \
+                        and vars(other).get(key) != value:
                     return f"{name}.{key} ({value!r} and {vars(other).get(key)!r})"
     return None
 

@@ -29,6 +29,7 @@ import logging
 import math
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import uuid
@@ -41,6 +42,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, run_job, setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from bnexp.app.compose import prepare_config_tree
 from bnexp.app.jobs import Job, train_pack_job
 from bnexp.app.sweep import distinct_packs, pack_groups, record
 from bnexp.app.torchrun import die_with_parent
@@ -92,7 +94,10 @@ class PackLauncher(BasicLauncher):
             if not killed or not PackClaims(folder).unfinished():
                 break
             log.warning("a worker was killed (%s): another round resumes its packs", ", ".join(killed))
-        return self.collect(folder, configs, initial_job_idx)
+        returns = self.collect(folder, configs, initial_job_idx)
+        if not PackClaims(folder).unfinished():
+            shutil.rmtree(folder, ignore_errors=True)
+        return returns
 
     def plan(self, job_overrides: Sequence[Sequence[str]], configs: list[DictConfig]) -> list[list[int]]:
         """The sweep's packs (positions of its jobs); a job that cannot be packed alone."""
@@ -159,7 +164,7 @@ class PackLauncher(BasicLauncher):
         how the killed ones ended; a worker stopped by a signal it handled (preemption, Ctrl-C:
         its runs checkpointed) ends this process with its exit code, once all have ended."""
         context = multiprocessing.get_context("spawn")
-        state = Singleton.get_state()
+        state = hydra_state()
         procs = [context.Process(target=work, args=(self, folder, slot, workers, gpus, os.getpid(), state),
                                  name=f"bnexp-worker-{slot}") for slot in range(workers)]
         for proc in procs:
@@ -200,6 +205,13 @@ def ended(procs: Sequence[Any]) -> list[str]:
     return [f"{p.name}: {signal.Signals(-p.exitcode).name}" for p in procs if p.exitcode and p.exitcode < 0]
 
 
+def hydra_state() -> Any:
+    """Hydra's singletons (its config, the plugins, the job's runtime) for a worker. The
+    OmegaConf resolvers are left out (closures do not pickle): a worker registers Hydra's and
+    bnexp's own again (:func:`work`)."""
+    return Singleton.get_state()["instances"]
+
+
 def work(launcher: PackLauncher, folder: Path, slot: int, workers: int, gpus: list[str], parent: int | None,
          state: Any) -> None:
     """A worker: bind a device, then train the plan's packs until none is left, writing each
@@ -208,8 +220,9 @@ def work(launcher: PackLauncher, folder: Path, slot: int, workers: int, gpus: li
     if parent is not None:
         die_with_parent(parent)
     where = bind_device(slot, launcher.per_gpu, gpus, workers)
+    Singleton._instances = state  # Singleton.set_state would also drop OmegaConf's own resolvers
     setup_globals()
-    Singleton.set_state(state)
+    prepare_config_tree()
     configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
     plan = read_plan(folder)
     claims = PackClaims(folder)
@@ -280,7 +293,7 @@ class PackSlurmLauncher(PackLauncher):
         executor.update_parameters(nodes=self.nodes, tasks_per_node=tasks, gpus_per_node=self.gpus_per_node,
                                    name="bnexp-packs", **params)
         node_gpus = [str(i) for i in range(self.gpus_per_node)]
-        job = executor.submit(SlurmWorker(self, folder, tasks, node_gpus, Singleton.get_state()))
+        job = executor.submit(SlurmWorker(self, folder, tasks, node_gpus, hydra_state()))
         log.info("SLURM job %s: %d tasks for %d packs", job.job_id, tasks * self.nodes, PackClaims(folder).count)
         try:
             job.results()
