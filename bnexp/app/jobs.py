@@ -110,12 +110,12 @@ def train_job(cfg: DictConfig) -> float:
     prepare_config_tree()  # a launcher's worker process starts without them
     console_log_only_off_rank_0()
     pack = cfg.trainer.get("pack", 1)
-    packs = pack == "auto" or isinstance(pack, int) and pack > 1  # validate() names any other value
-    # In a sweep under the packing launcher trainer.pack sizes its packs; this job is alone in its own.
-    if pack == "auto" if not sweeping else packs and not packing_launcher(hydra_cfg):
-        report_error(pack_misplaced(pack, sweeping), to_log=False)
+    problem = pack_misplaced(pack, sweeping, str(hydra_cfg.get("launcher", {}).get("_target_", "")))
+    if problem:  # the command line's check catches it first (bnexp.app.cmdline)
+        report_error(problem, to_log=False)
         sys.exit(ConfigError.exit_code)
-    if packs and not sweeping:
+    # In a sweep under the packing launcher trainer.pack sizes its packs; this job is alone in its own.
+    if isinstance(pack, int) and pack > 1 and not sweeping:
         return train_pack_job(pack_jobs(Job(cfg, hydra_cfg, run_dir), pack), sweeping)[0]
 
     def single() -> list[tuple[str, Any]]:
@@ -126,19 +126,18 @@ def train_job(cfg: DictConfig) -> float:
     return run_and_record([run_dir], sweeping, single)[0]
 
 
-def packing_launcher(hydra_cfg: DictConfig) -> bool:
-    """Whether this job's sweep runs under bnexp's packing launcher (``pack`` or ``pack_slurm``)."""
-    return str(hydra_cfg.get("launcher", {}).get("_target_", "")).startswith("hydra_plugins.bnexp_launcher.")
-
-
-def pack_misplaced(pack: Any, sweeping: bool) -> str:
-    """Why ``trainer.pack`` cannot apply here: ``auto`` on one command line, a size in a sweep
-    whose launcher does not pack."""
-    if sweeping:
+def pack_misplaced(pack: Any, sweeping: bool, launcher: str) -> str | None:
+    """Why ``trainer.pack`` cannot apply where it is given (``launcher``: the ``_target_`` of
+    the command's Hydra launcher), None when it can: ``auto`` sizes the packs of a sweep, and
+    a sweep packs only under bnexp's packing launchers (``pack``, ``pack_slurm``)."""
+    packs = pack == "auto" or isinstance(pack, int) and not isinstance(pack, bool) and pack > 1
+    if sweeping and packs and not launcher.startswith("hydra_plugins.bnexp_launcher."):
         return (f"trainer.pack={pack} sizes the packs of a sweep, which hydra/launcher=pack (or pack_slurm) "
                 "trains; add it, or leave trainer.pack out")
-    return ("trainer.pack=auto sizes the packs of a sweep (bnexp train -m ... hydra/launcher=pack); on one "
-            "command line give the number of seeds to pack (trainer.pack=10)")
+    if not sweeping and pack == "auto":
+        return ("trainer.pack=auto sizes the packs of a sweep (bnexp train -m ... hydra/launcher=pack); on one "
+                "command line give the number of seeds to pack (trainer.pack=10)")
+    return None
 
 
 ENDED = ("completed", "diverged")  # the statuses of a run that a signal cannot leave unfinished

@@ -86,14 +86,16 @@ class PackClaims:
 
     def take(self) -> Iterator[int]:
         """Claim packs one after another (each held until the next is asked for), until every
-        pack is finished or held by another worker; a pack freed by a dead worker is taken
-        on the next pass."""
+        pack is finished, held by another worker or taken once by this one already; a pack
+        freed by a dead worker is taken on the next pass."""
+        tried: set[int] = set()
         while True:
             taken = False
-            for pack in self.unfinished():
+            for pack in [p for p in self.unfinished() if p not in tried]:
                 with self.claim(pack) as mine:
                     if mine:
                         taken = True
+                        tried.add(pack)
                         yield pack
             if not taken:
                 return

@@ -121,7 +121,7 @@ class PackLauncher(BasicLauncher):
             return self.max_pack if pack == 1 else int(pack)
         from bnexp.engine.pack_size import measured_pack
 
-        kind = fingerprint(shared_settings(config))
+        kind = fingerprint(shared_settings(task_config(config)))
         if kind not in self.auto_sizes:
             self.auto_sizes[kind], line = measured_pack(config, self.worker_count(visible_gpus()))
             print(f"bnexp: {line}", flush=True)
@@ -247,10 +247,15 @@ def _job(config: DictConfig) -> Any:
     run_dir = Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
     with read_write(config.hydra.runtime), open_dict(config.hydra.runtime):
         config.hydra.runtime.output_dir = str(run_dir.absolute())
+    return Job(task_config(config), copy.deepcopy(config.hydra), run_dir.absolute())
+
+
+def task_config(config: DictConfig) -> DictConfig:
+    """A sweep job's config without its ``hydra`` node: what its run trains with."""
     task = copy.deepcopy(config)
     with read_write(task), open_dict(task):
         del task["hydra"]
-    return Job(task, copy.deepcopy(config.hydra), run_dir.absolute())
+    return task
 
 
 def _return(job: Any, status: JobStatus, value: Any) -> JobReturn:
