@@ -145,30 +145,32 @@ def test_two_workers_on_two_slots_train_every_job_once(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_killed_worker_s_packs_resume(tmp_path: Path) -> None:
-    """SIGKILL to the worker training a pack once its runs have checkpointed: a worker (of this
-    round or the next) takes the pack over, resumes its runs from their checkpoints (taking over
-    their stale run locks), and the sweep ends with every job completed."""
+    """SIGKILL to the worker training the pack of rho 0.5 once its three runs have checkpointed:
+    a worker (of this round or the next) takes the pack over, resumes its runs from their
+    checkpoints (taking over their stale run locks), and the sweep ends with every job
+    completed, each trained by one worker at a time."""
     root = tmp_path / "sweep"
-    extra = ["trainer.max_steps=400", "trainer.checkpoint_every=2", "trainer.checkpoint_unit=step",
-             "trainer.log_every=2", "trainer.eval_every=400", "trainer.eval_unit=step"]
+    extra = ["trainer.max_steps=100", "trainer.checkpoint_every=2", "trainer.checkpoint_unit=step",
+             "trainer.log_every=2", "trainer.eval_every=100", "trainer.eval_unit=step"]
     proc = subprocess.Popen(cli(root, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     victim = None
     deadline = time.monotonic() + 300
     while victim is None and time.monotonic() < deadline and proc.poll() is None:
-        for run in root.glob("*/"):
-            if checkpoint.periodic_checkpoints(run) and (run / LOCK_NAME).exists():
-                victim = read_owner(run / LOCK_NAME).get("pid")
-                break
+        pack = list(root.glob("*norm.rho=0.5*/"))
+        if len(pack) == 3 and all(checkpoint.periodic_checkpoints(run) for run in pack) and \
+                (pack[0] / LOCK_NAME).exists():
+            victim = read_owner(pack[0] / LOCK_NAME).get("pid")
         time.sleep(0.05)
-    assert victim, "no run checkpointed while locked"
+    assert victim, "the pack of rho 0.5 did not checkpoint while locked"
     os.kill(victim, signal.SIGKILL)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     assert "6 cells: 6 completed" in out
     runs = summaries(root)
     assert len(runs) == 6 and all(s["status"] == "completed" for s in runs.values())
-    assert any("resumed_from" in s for s in runs.values()), out[-3000:]
+    assert all("resumed_from" in runs[0.5, seed] for seed in range(3)), out[-3000:]
+    assert "removing the stale lock" in out
 
 
 @pytest.mark.slow
@@ -200,3 +202,23 @@ def test_pack_slurm_tasks_train_the_packs(tmp_path: Path) -> None:
     runs = summaries(root)
     assert len(runs) == 6 and all(s["status"] == "completed" and len(s["packed_with"]) == 2 for s in runs.values())
     assert read_summary(next(root.glob("*seed=0*")))["config"]["trainer"]["device"] == "cpu"
+
+
+def test_the_lock_of_a_killed_process_not_yet_reaped_is_stale(tmp_path: Path) -> None:
+    """A worker killed while it held run locks stays a zombie until its launcher reaps it: its
+    locks are stale from the moment it dies (it can write nothing more), so another worker
+    resumes its runs at once."""
+    run = tmp_path / "run"
+    child = os.fork()
+    if child == 0:
+        RunLock(run).acquire()
+        time.sleep(60)
+        os._exit(0)
+    while not (run / LOCK_NAME).exists():
+        time.sleep(0.01)
+    os.kill(child, signal.SIGKILL)
+    while Path(f"/proc/{child}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+        time.sleep(0.01)
+    with RunLock(run):  # taken over while the zombie is still there
+        assert read_owner(run / LOCK_NAME)["pid"] == os.getpid()
+    os.waitpid(child, 0)

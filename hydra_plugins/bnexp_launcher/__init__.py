@@ -28,6 +28,7 @@ import copy
 import logging
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -176,8 +177,12 @@ class PackLauncher(BasicLauncher):
                     os.kill(proc.pid, signal.SIGTERM)
 
         with PreemptionGuard(on_signal=forward):
-            for proc in procs:
-                proc.join()
+            running = list(procs)
+            while running:  # reaped as each ends: a killed worker is gone for the run locks it held
+                multiprocessing.connection.wait([p.sentinel for p in running])
+                for proc in [p for p in running if not p.is_alive()]:
+                    proc.join()
+                    running.remove(proc)
         return ended(procs)
 
     def collect(self, folder: Path, configs: list[DictConfig], initial_job_idx: int) -> list[JobReturn]:
