@@ -68,6 +68,7 @@ def checks(gpu: bool) -> list[tuple[str, list[str]]]:
     found.append(("bench-run", bench("bench-run", "run", "reps=1", *CIFAR_SHAPED)))
     found += [(f"resnet20-{norm}", bench(f"resnet20-{norm}", "run", "reps=1", *CIFAR_SHAPED, *FAST, f"norm={norm}"))
               for norm in TARGET_NORMS]
+    found.append(("table-cost", bench("table-cost", "table_cost", "budget=150")))  # bnexp/bench/table_cost.py
     found.append((f"resnet20-cbn-pack{PACK_TARGET}", bench(f"resnet20-cbn-pack{PACK_TARGET}", "run", "reps=1",
                                                             *CIFAR_SHAPED, *FAST, "norm=cbn", f"trainer.pack={PACK_TARGET}",
                                                             "target_seconds=180")))
