@@ -48,8 +48,8 @@ def test_bench_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     records = bench(["data", "batch=16", "train_size=64", "number=2", "warmup=1", "data.num_workers=0"], tmp_path,
                     capsys)
     by_name = {r["name"]: r for r in records}
-    assert by_name.keys() == {"torch", "device"} and by_name["torch"]["ratio"] == 1.0
-    assert by_name["device"]["images_per_s"] > 0 and by_name["device"]["speedup"] > 0
+    assert by_name.keys() == {"torch", "device", "torch-float32"} and by_name["torch"]["ratio"] == 1.0
+    assert all(by_name[name]["images_per_s"] > 0 and by_name[name]["speedup"] > 0 for name in ("device", "torch-float32"))
 
 
 def test_bench_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -87,6 +87,19 @@ def test_bench_run_of_a_pack(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 def test_bench_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, text = run_cli(["bench", *args], capsys)
     assert code == EXIT_CONFIG and message in text
+
+
+@pytest.mark.slow  # DataLoader workers started four times
+def test_bench_imagenet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    records = bench(["imagenet", "classes=2", "per_class=3", "batch=4", "workers=1", "gpu_workers=1", "compare=4",
+                     "augs=cbn", "model_batches="], tmp_path, capsys)
+    by_name = {r["name"]: r for r in records}
+    assert list(by_name) == ["pixels/cbn", "device/cbn", "gpu/cbn/w1", "cpu/cbn/w1"]
+    assert by_name["pixels/cbn"]["max_levels"] <= 2 and by_name["pixels/cbn"]["images"] == 4  # RESIZER_LEVELS
+    assert 0 <= by_name["pixels/cbn"]["differing"] < 0.1
+    assert all(r["images_per_s"] > 0 and r["ratio"] is None for r in records[1:])  # no model measured
+    row = (tmp_path / "imagenet.md").read_text()
+    assert row.startswith("| 20") and "gpu/cbn/w1" in row and row.count("\n") == 1
 
 
 TABLE1_IMAGES = 1350 * 120 * 391 * 128  # CBN Table 1: runs x epochs x steps of 128 per CIFAR-10 epoch x batch

@@ -174,3 +174,75 @@ def test_two_nccl_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
     code, out = run_cli(["train", *[o for o in TINY if not o.startswith("trainer.device")], *GPU_ON,
                          f"norm={norm}", "trainer.nproc=2", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
     assert code == 0, out
+
+
+# ---- ImageNet decoded on the GPU (data.decode=gpu), against the CPU. torchvision's CUDA resize of
+# uint8 images computes in float32 and rounds once (within 0.5 level of the exact filter), its CPU
+# one and PIL's round after each of two passes (within 1), so CUDA differs from either by at most
+# 1 level (torchvision's own tests hold CUDA and CPU to that: test_transforms_v2.py,
+# TestResize.test_kernel_image); nvJPEG's images differ from libjpeg-turbo's by under 2 levels
+# on average (torchvision's test_image.py, test_decode_jpeg_cuda).
+
+
+@pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+@pytest.mark.parametrize("aug", ["cbn", "popnorm"])
+def test_imagenet_geometry_on_cuda_equals_cpu(tmp_path: Path, aug: str) -> None:
+    """The same decoded image and draws: crops, resizes and flips on CUDA within 1 level of the CPU's."""
+    from bnexp.data.imagenet import augment_steps
+    from bnexp.data.jpeg import apply_params, decode_with_pil, draw_params, read_encoded
+    from bnexp.data.make_imagenet import write_imagenet
+
+    tree = write_imagenet(tmp_path)
+    for seed, path in enumerate(sorted(tree.root.rglob("*.JPEG"))):
+        encoded = read_encoded(str(path))
+        image = decode_with_pil(encoded.data) if encoded.jpeg else encoded.data
+        for train in (True, False):
+            steps = augment_steps({"aug": aug}, train)
+            torch.manual_seed(seed)
+            params = draw_params(steps, *encoded.size)
+            cpu, gpu = apply_params(steps, image, params), apply_params(steps, image.to(CUDA), params).cpu()
+            assert cpu.shape == gpu.shape == (3, 224, 224) and (cpu.int() - gpu.int()).abs().max() <= 1
+
+
+@pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+def test_nvjpeg_within_torchvisions_bound(tmp_path: Path) -> None:
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from bnexp.data.jpeg import read_encoded
+    from bnexp.data.make_imagenet import write_imagenet
+
+    jpegs = [e for e in (read_encoded(str(p)) for p in write_imagenet(tmp_path).root.rglob("*.JPEG")) if e.jpeg]
+    batched = decode_jpeg([e.data for e in jpegs], mode=ImageReadMode.RGB, device=CUDA)
+    for encoded, on_gpu in zip(jpegs, batched, strict=True):
+        on_cpu = decode_jpeg(encoded.data, mode=ImageReadMode.RGB)
+        assert on_gpu.shape == on_cpu.shape and (on_gpu.cpu().float() - on_cpu.float()).abs().mean() < 2
+
+
+@pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+def test_imagenet_decoded_on_cuda_serves_the_cpu_paths_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """data.decode=gpu training on CUDA against data.decode=cpu on the CPU, the JPEGs decoded by
+    PIL for both (nvJPEG has its own test above): the same labels, every value within 1 level."""
+    from bnexp.data import build_data, jpeg
+    from bnexp.data.imagenet import STD
+    from bnexp.data.loaders import build_loaders
+    from bnexp.data.make_imagenet import write_imagenet
+
+    def on_cpu_then_cuda(data, mode, device):
+        if isinstance(data, list):
+            return [jpeg.decode_with_pil(d).to(device) for d in data]
+        return jpeg.decode_with_pil(data).to(device)
+
+    monkeypatch.setattr(jpeg, "decode_jpeg", on_cpu_then_cuda)
+    tree = write_imagenet(tmp_path, train_per_class=6)
+    batches = {}
+    for decode, device in (("cpu", torch.device("cpu")), ("gpu", CUDA)):
+        cfg = {"name": "imagenet", "root": str(tree.root), "decode": decode, "num_workers": 0, "sampling": "shuffle",
+               "eval_batch_size": 4}
+        loaders = build_loaders(build_data(cfg), cfg, 5, 0, device.type == "cuda", device)
+        torch.manual_seed(0)
+        stream = loaders.epochs_from(0)
+        batches[decode] = [loaders.to_device(*next(stream)) for _ in range(3)] + list(loaders.test)
+    std = torch.tensor(STD).view(1, 3, 1, 1)
+    for (xa, ya), (xb, yb) in zip(batches["cpu"], batches["gpu"], strict=True):
+        assert xb.device.type == "cuda" and torch.equal(ya, yb.cpu())
+        assert ((xa - xb.cpu()) * 255 * std).abs().max() <= 1 + 1e-3

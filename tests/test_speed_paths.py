@@ -57,7 +57,8 @@ def test_device_loader_draws_the_same_batches(sampling: str) -> None:
     torch_loaders, device_loaders = both_loaders(sampling=sampling, augment=False)
     assert (torch_loaders.kind, device_loaders.kind) == ("torch", "device")
     assert device_loaders.steps_per_epoch == torch_loaders.steps_per_epoch == 3  # 40 images, batches of 16
-    for (xa, ya), (xb, yb) in zip(take(torch_loaders.epochs_from(0), 7), take(device_loaders.epochs_from(0), 7)):
+    for a, b in zip(take(torch_loaders.epochs_from(0), 7), take(device_loaders.epochs_from(0), 7)):
+        (xa, ya), (xb, yb) = torch_loaders.to_device(*a), device_loaders.to_device(*b)  # as the trainer takes them
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     for (xa, ya), (xb, yb) in zip(torch_loaders.test, device_loaders.test, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)  # bit-identical evaluation batches

@@ -12,7 +12,10 @@ It runs, each as its own process so that one failure does not hide the others:
 3. ResNet-20 with ``bn`` and with ``cbn`` for 3 CIFAR-10-sized epochs (50,000 synthetic
    32x32 images; the per-step cost does not depend on what the pixels show) with bf16,
    channels_last and compile, extrapolated to 120 epochs by ``bnexp bench run``, and the
-   same with a pack of 10 CBN runs (``trainer.pack=10``).
+   same with a pack of 10 CBN runs (``trainer.pack=10``);
+4. ``bnexp bench imagenet``: ImageNet images per second of the CPU path (1, 8, 16 workers)
+   and of ``data.decode=gpu``, against a compiled bf16 ResNet-50 step at batch 128, 64, 32
+   (a synthetic tree of ImageNet-sized JPEGs; ``imagenet-input.md`` is its benchmarks row).
 
 Everything goes to ``results/gpu-check/``: ``gpu-check.json`` (each check's command, exit
 code, seconds and output tail, the benchmark records, the extrapolated minutes) and
@@ -72,6 +75,9 @@ def checks(gpu: bool) -> list[tuple[str, list[str]]]:
     found.append((f"resnet20-cbn-pack{PACK_TARGET}", bench(f"resnet20-cbn-pack{PACK_TARGET}", "run", "reps=1",
                                                             *CIFAR_SHAPED, *FAST, "norm=cbn", f"trainer.pack={PACK_TARGET}",
                                                             "target_seconds=180")))
+    # ImageNet input (CPU path at 1/8/16 workers, the device path) against ResNet-50's step at
+    # batch 128/64/32; about 120 s: the bench starts no case its budget cannot hold
+    found.append(("imagenet-input", bench("imagenet-input", "imagenet", "budget_s=120")))
     return found
 
 

@@ -2,32 +2,38 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
+import torch
 from torch.utils.data import Dataset
 
-from bnexp.data.arrays import ArrayData, torch_datasets
+from bnexp.data.arrays import ArrayData, array_feed, torch_datasets
 from bnexp.data.cifar import cifar_files, load_cifar
 from bnexp.data.digits import load_digits
 from bnexp.data.files import DataFile, identify
-from bnexp.data.imagenet import load_imagenet
+from bnexp.data.imagenet import imagenet_feed, load_imagenet
 from bnexp.data.mnist import load_mnist, mnist_files
 from bnexp.data.npz import load_npz
 from bnexp.data.synthetic import make_synthetic
+from bnexp.data.transfer import Feed
 from bnexp.models import DataSpec
 from bnexp.support.registry import Registry
 
 
 @dataclass
 class DataBundle:
-    """A data set ready for training: its splits, its shape, the raw arrays if any, and the
-    images left out as unreadable (``data.check_images`` with ``data.bad_images=skip``)."""
+    """A data set ready for training: its splits (normalized float32 images), its shape, what
+    its DataLoaders read on a given device (``feed``: the same samples as uint8 images or
+    JPEG bytes, :mod:`bnexp.data.transfer`), the raw arrays if any, and the images left out
+    as unreadable (``data.check_images`` with ``data.bad_images=skip``)."""
 
     train: Dataset
     test: Dataset
     spec: DataSpec
+    feed: Callable[[torch.device], Feed]
     arrays: Optional[ArrayData] = None
     skipped_images: tuple[str, ...] = ()
 
@@ -35,8 +41,10 @@ class DataBundle:
 def _from_arrays(load: Callable[[Mapping[str, Any]], ArrayData]) -> Callable[[Mapping[str, Any]], DataBundle]:
     def build(cfg: Mapping[str, Any]) -> DataBundle:
         arrays = load(cfg)
+        if not cfg.get("standardize", True):  # pixels / 255 as they are: the one normalization with mean 0, std 1
+            arrays.mean, arrays.std = (0.0,) * len(arrays.mean), (1.0,) * len(arrays.std)
         train, test = torch_datasets(arrays, cfg)
-        return DataBundle(train, test, arrays.spec, arrays)
+        return DataBundle(train, test, arrays.spec, functools.partial(array_feed, arrays, cfg), arrays)
 
     return build
 
@@ -55,7 +63,8 @@ def _imagenet(cfg: Mapping[str, Any]) -> DataBundle:
     """Image folders read lazily (no arrays); classes = class folders, 3 channels."""
     train, test = load_imagenet(cfg)
     spec = DataSpec(len(train.classes), 3, int(cfg.get("image_size", 224)))
-    return DataBundle(train, test, spec, skipped_images=(*train.left_out, *test.left_out))
+    return DataBundle(train, test, spec, functools.partial(imagenet_feed, train, test, cfg),
+                      skipped_images=(*train.left_out, *test.left_out))
 
 
 def build_data(cfg: Mapping[str, Any]) -> DataBundle:

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from bnexp.data.arrays import ArrayData
 from bnexp.data.sampling import EpochSampler
+from bnexp.data.transfer import normalize
 
 Batch = tuple[Tensor, Tensor]
 
@@ -68,11 +69,6 @@ def pad_crop_flip(images: Tensor, padding: int, drawn: Draws) -> Tensor:
         rows[:, None, :, None],
         cols[:, None, None, :],
     ]
-
-
-def normalize(images: Tensor, mean: Tensor, std: Tensor) -> Tensor:
-    """uint8 -> float32 ``(x / 255 - mean) / std`` with torchvision's exact operations."""
-    return images.to(torch.float32).mul_(1.0 / 255).sub_(mean).div_(std)
 
 
 class DeviceSplit:

@@ -25,14 +25,24 @@ header once before training (threads: ``data.num_workers``), so that ``fail`` li
 unreadable ones up front and ``skip`` leaves them out of the split and counts them
 (:attr:`CheckedImages.left_out`); images that pass the header check but fail to decode
 later are still handled per sample.
+
+``data.decode`` says where a DataLoader's images are decoded and augmented: ``cpu`` in the
+workers with PIL (as above, then the uint8 batch is normalized on the training device);
+``gpu`` on the training device (:mod:`bnexp.data.jpeg`: the workers read bytes and draw the
+augmentation, the device decodes, crops, resizes, flips and normalizes; on a CPU device
+torchvision's CPU decoder stands in for nvJPEG); ``auto`` (default) is ``gpu`` when training
+on CUDA, else ``cpu``. The data set's own splits (what probes and ``bnexp eval`` read) always
+decode with PIL.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Collection, Mapping, Optional
+from typing import Any, Callable, Collection, Mapping, Optional
 
 import torch
 from PIL import Image
@@ -42,6 +52,8 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.datasets.imagenet import ARCHIVE_META
 from torchvision.transforms import v2
 
+from bnexp.data.jpeg import DrawAugmentation, JpegBatches, collate_encoded, read_encoded
+from bnexp.data.transfer import Feed, Normalized
 from bnexp.support.errors import ConfigError, DataError, DataUnavailable, unknown_choice
 
 MEAN = (0.485, 0.456, 0.406)
@@ -51,28 +63,47 @@ AUGS = ("cbn", "popnorm")
 SPLITS = ("train", "val")
 ARCHIVES = tuple(name for name, _ in ARCHIVE_META.values())
 BAD_IMAGES = ("fail", "skip")
+DECODES = ("auto", "gpu", "cpu")
 LISTED = 5  # unreadable images named in one message
 
 log = logging.getLogger(__name__)
 
 
-class CheckedImages(Dataset):
-    """One split of an ImageFolder, minus the images ``left_out``, applying
-    ``data.bad_images`` to any image that fails to load: ``fail`` raises a DataError naming
-    it; ``skip`` warns and serves the next readable image in index order (so the substitute
-    is the same in every run)."""
+def report_unreadable(path: str, err: Exception, skip: bool) -> None:
+    """``data.bad_images`` for the image at ``path`` that failed with ``err``: a DataError
+    naming it (``fail``), or a warning (``skip``: the caller serves another image)."""
+    why = f"unreadable image {path}: {type(err).__name__}: {err}"
+    if not skip:
+        raise DataError(f"{why}. Replace or delete it, or set data.bad_images=skip to go on without it") from err
+    log.warning("%s; serving the next readable image instead (data.bad_images=skip)", why)
 
-    def __init__(self, images: ImageFolder, skip: bool, left_out: Collection[str] = ()) -> None:
-        self.images, self.skip = images, skip
+
+class CheckedImages(Dataset):
+    """One split of an ImageFolder, minus the images ``left_out``: each image's file read by
+    ``load`` (PIL by default), then passed through ``transform``. ``data.bad_images`` applies to
+    any image that fails to load: ``fail`` raises a DataError naming it; ``skip`` warns and
+    serves the next readable image in index order (so the substitute is the same in every
+    run)."""
+
+    def __init__(self, images: ImageFolder, skip: bool, transform: Callable[[Any], Any],
+                 left_out: Collection[str] = ()) -> None:
+        self.images, self.skip, self.transform = images, skip, transform
+        self.load: Callable[[str], Any] = images.loader
         self.classes = images.classes
         self.left_out = sorted(left_out)
         self.samples = [sample for sample in images.samples if sample[0] not in left_out]
         self.unreadable: set[int] = set()  # indices this process failed to load (skip)
 
+    def view(self, load: Callable[[str], Any], transform: Callable[[Any], Any]) -> CheckedImages:
+        """The same images (and left-out ones) read by ``load`` and passed through ``transform``."""
+        other = copy.copy(self)
+        other.load, other.transform, other.unreadable = load, transform, set()
+        return other
+
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[Any, int]:
         if not 0 <= index < len(self):  # ends iteration; the search below wraps around
             raise IndexError(f"index {index} is out of range for {len(self)} images")
         for step in range(len(self)):
@@ -81,16 +112,12 @@ class CheckedImages(Dataset):
                 continue
             path, target = self.samples[i]
             try:
-                image = self.images.loader(path)
+                image = self.load(path)
             except Exception as err:
-                why = f"unreadable image {path}: {type(err).__name__}: {err}"
-                if not self.skip:
-                    hint = "Replace or delete it, or set data.bad_images=skip to go on without it"
-                    raise DataError(f"{why}. {hint}") from err
+                report_unreadable(path, err, self.skip)
                 self.unreadable.add(i)
-                log.warning("%s; serving the next readable image instead (data.bad_images=skip)", why)
                 continue
-            return self.images.transform(image), target
+            return self.transform(image), target
         raise DataError(f"no image under {self.images.root} is readable (data.bad_images=skip)")
 
 
@@ -117,8 +144,9 @@ def _listed(bad: Mapping[str, str]) -> str:
     return named + (f"; and {len(bad) - LISTED} more" if len(bad) > LISTED else "")
 
 
-def _checked(images: ImageFolder, skip: bool, cfg: Mapping[str, Any]) -> CheckedImages:
-    """``images`` wrapped per ``data.bad_images``, scanned first with ``data.check_images``."""
+def _checked(images: ImageFolder, skip: bool, cfg: Mapping[str, Any], transform: v2.Transform) -> CheckedImages:
+    """``images`` wrapped per ``data.bad_images`` with the split's ``transform``, scanned first
+    with ``data.check_images``."""
     bad = unreadable_images(images, int(cfg.get("num_workers", 0))) if cfg.get("check_images", False) else {}
     where = f"{len(bad)} of {len(images.samples)} images under {images.root}"
     if bad and not skip:
@@ -126,11 +154,11 @@ def _checked(images: ImageFolder, skip: bool, cfg: Mapping[str, Any]) -> Checked
                         "or set data.bad_images=skip to leave them out")
     if bad:
         log.warning("left out %s as unreadable (data.bad_images=skip): %s", where, _listed(bad))
-    return CheckedImages(images, skip, bad)
+    return CheckedImages(images, skip, transform, bad)
 
 
-def imagenet_transform(cfg: Mapping[str, Any], train: bool) -> v2.Transform:
-    """The ``data.aug`` pipeline for one split, ending in mean/std normalization."""
+def augment_steps(cfg: Mapping[str, Any], train: bool) -> list[v2.Transform]:
+    """The ``data.aug`` crops, resizes and flip of one split."""
     size, resize = int(cfg.get("image_size", 224)), int(cfg.get("resize_size", 256))
     aug = cfg.get("aug", "cbn")
     if aug not in AUGS:
@@ -143,7 +171,39 @@ def imagenet_transform(cfg: Mapping[str, Any], train: bool) -> v2.Transform:
         steps = [v2.Resize((resize, resize)), v2.RandomCrop(size) if train else v2.CenterCrop(size)]
     if train:
         steps.append(v2.RandomHorizontalFlip())
-    return v2.Compose([*steps, v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+    return steps
+
+
+def imagenet_transform(cfg: Mapping[str, Any], train: bool, normalized: bool = True) -> v2.Transform:
+    """A PIL image through the ``data.aug`` pipeline of one split to a uint8 tensor, then
+    mean/std normalization (unless ``normalized`` is false)."""
+    scaled = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)] if normalized else []
+    return v2.Compose([*augment_steps(cfg, train), v2.ToImage(), *scaled])
+
+
+def decode_on(cfg: Mapping[str, Any], device: torch.device) -> str:
+    """``data.decode`` resolved for a run on ``device``: ``gpu`` or ``cpu``."""
+    decode = cfg.get("decode", "auto")
+    if decode not in DECODES:
+        raise unknown_choice("data.decode", decode, DECODES)
+    if decode == "auto":
+        return "gpu" if device.type == "cuda" else "cpu"
+    return decode
+
+
+def imagenet_feed(train: CheckedImages, test: CheckedImages, cfg: Mapping[str, Any], device: torch.device) -> Feed:
+    """What the DataLoaders of a run on ``device`` read (``data.decode``): uint8 images that
+    PIL decoded and augmented, or encoded images for :class:`bnexp.data.jpeg.JpegBatches`."""
+    if decode_on(cfg, device) == "cpu":
+        to_device = Normalized(MEAN, STD, device)
+        return Feed(train.view(train.load, imagenet_transform(cfg, True, normalized=False)),
+                    test.view(test.load, imagenet_transform(cfg, False, normalized=False)), to_device, to_device)
+    unreadable = functools.partial(report_unreadable, skip=train.skip)
+    train_steps, val_steps = augment_steps(cfg, train=True), augment_steps(cfg, train=False)
+    return Feed(train.view(read_encoded, DrawAugmentation(train_steps)),
+                test.view(read_encoded, DrawAugmentation(val_steps)),
+                JpegBatches(train_steps, MEAN, STD, device, unreadable),
+                JpegBatches(val_steps, MEAN, STD, device, unreadable), collate_encoded)
 
 
 def detect_format(root: Path, fmt: str) -> str:
@@ -167,7 +227,7 @@ def detect_format(root: Path, fmt: str) -> str:
     )
 
 
-def _folder_split(root: Path, split: str, transform: v2.Transform) -> ImageFolder:
+def _folder_split(root: Path, split: str) -> ImageFolder:
     folder = root / split
     expected = f"expected {folder}/<class>/<images>"
     if not folder.is_dir():
@@ -178,14 +238,13 @@ def _folder_split(root: Path, split: str, transform: v2.Transform) -> ImageFolde
         tip = " (scripts/prepare_imagenet.py sorts the official validation images)" if split == "val" else ""
         raise DataError(f"{folder} holds {found}; {expected}{tip}")
     try:
-        return ImageFolder(str(folder), transform=transform)
+        return ImageFolder(str(folder))
     except FileNotFoundError as err:
         raise DataError(f"{folder}: {err}; {expected}") from err
 
 
-def _folder_splits(root: Path, cfg: Mapping[str, Any]) -> tuple[ImageFolder, ImageFolder]:
-    train = _folder_split(root, "train", imagenet_transform(cfg, train=True))
-    val = _folder_split(root, "val", imagenet_transform(cfg, train=False))
+def _folder_splits(root: Path) -> tuple[ImageFolder, ImageFolder]:
+    train, val = _folder_split(root, "train"), _folder_split(root, "val")
     if train.classes != val.classes:
         only = sorted(set(train.classes) ^ set(val.classes))[:5]
         raise DataError(
@@ -195,12 +254,9 @@ def _folder_splits(root: Path, cfg: Mapping[str, Any]) -> tuple[ImageFolder, Ima
     return train, val
 
 
-def _archive_splits(root: Path, cfg: Mapping[str, Any]) -> tuple[ImageNet, ImageNet]:
+def _archive_splits(root: Path) -> tuple[ImageNet, ImageNet]:
     try:
-        return (
-            ImageNet(str(root), "train", transform=imagenet_transform(cfg, train=True)),
-            ImageNet(str(root), "val", transform=imagenet_transform(cfg, train=False)),
-        )
+        return ImageNet(str(root), "train"), ImageNet(str(root), "val")
     except ModuleNotFoundError as err:  # torchvision reads the devkit's meta.mat with scipy
         devkit = root / ARCHIVE_META["devkit"][0]
         raise DataError(f"reading {devkit} needs the {err.name} package (pip install {err.name})") from err
@@ -213,7 +269,8 @@ def load_imagenet(cfg: Mapping[str, Any]) -> tuple[CheckedImages, CheckedImages]
     mode = cfg.get("bad_images", "fail")
     if mode not in BAD_IMAGES:
         raise unknown_choice("data.bad_images", mode, BAD_IMAGES)
+    transforms = imagenet_transform(cfg, train=True), imagenet_transform(cfg, train=False)
     root = Path(str(cfg["root"])).expanduser()
     folder = detect_format(root, cfg.get("format", "auto")) == "folder"
-    train, val = _folder_splits(root, cfg) if folder else _archive_splits(root, cfg)
-    return _checked(train, mode == "skip", cfg), _checked(val, mode == "skip", cfg)
+    train, val = _folder_splits(root) if folder else _archive_splits(root)
+    return _checked(train, mode == "skip", cfg, transforms[0]), _checked(val, mode == "skip", cfg, transforms[1])

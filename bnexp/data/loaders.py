@@ -1,5 +1,6 @@
 """The loaders a run iterates: torch DataLoaders or batches cut on the device, drawn in the
-order of :class:`bnexp.data.sampling.EpochSampler`."""
+order of :class:`bnexp.data.sampling.EpochSampler`. A DataLoader's batch crosses to the device
+as uint8 images (or JPEG bytes) and is normalized there (:mod:`bnexp.data.transfer`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.utils.data import DataLoader, Subset
 from bnexp.data import DataBundle
 from bnexp.data.device import device_batches
 from bnexp.data.sampling import EpochSampler
+from bnexp.data.transfer import Batch, DeviceBatches, ToDevice, on_device
 from bnexp.support.errors import ConfigError, unknown_choice
 
 LOADERS = ("auto", "device", "torch")
@@ -22,19 +24,22 @@ class Loaders:
     """The training batches (driven by an :class:`EpochSampler`) and the test batches.
 
     ``kind`` is ``torch`` (DataLoaders) or ``device`` (:mod:`bnexp.data.device`).
+    ``to_device(x, y)`` makes a training batch as ``train`` yields it the model's input on
+    the device (the test batches come out of ``test`` on the device already).
     """
 
-    train: Iterable[tuple[torch.Tensor, torch.Tensor]]
-    test: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    train: Iterable[tuple[Any, torch.Tensor]]
+    test: Iterable[Batch]
     sampler: EpochSampler
     batch_size: int
     kind: str = "torch"
+    to_device: ToDevice = on_device
 
     @property
     def steps_per_epoch(self) -> int:
         return self.sampler.steps
 
-    def epochs_from(self, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def epochs_from(self, step: int) -> Iterator[tuple[Any, torch.Tensor]]:
         """Endless training batches starting at optimizer step ``step`` (0 or a resume point)."""
         epoch, batch = divmod(step, self.steps_per_epoch)
         offset = batch * self.batch_size
@@ -81,9 +86,11 @@ def build_loaders(bundle: DataBundle, cfg: Mapping[str, Any], batch_size: int, s
     rank on (the same images on both paths).
 
     ``data.loader`` picks the DataLoader path or the on-device one (:func:`loader_kind`).
-    Both DataLoaders get their own generator (for worker seeds) so creating an iterator
-    never draws from the global RNG, from which augmentation and the training step's own
-    randomness draw (a packed run swaps in its own global state around its batches only).
+    The DataLoaders read what the data set's ``feed`` gives for ``device`` (uint8 images or
+    JPEG bytes, put on the device by ``Loaders.to_device``). Both DataLoaders get their own
+    generator (for worker seeds) so creating an iterator never draws from the global RNG,
+    from which augmentation and the training step's own randomness draw (a packed run swaps
+    in its own global state around its batches only).
     ``pin_memory`` is the caller's default; a non-null ``data.pin_memory`` overrides it.
     """
     return build_seeded_loaders(bundle, cfg, batch_size, [seed], pin_memory, device, rank, world_size, drop_last)[0]
@@ -107,13 +114,17 @@ def build_seeded_loaders(bundle: DataBundle, cfg: Mapping[str, Any], batch_size:
         assert bundle.arrays is not None  # checked by loader_kind
         trains, test = device_batches(bundle.arrays, cfg, samplers, batch_size, device, test_share)
         return [Loaders(train, test, sampler, batch_size, "device") for train, sampler in zip(trains, samplers)]
+    feed = bundle.feed(device)
     workers = int(cfg.get("num_workers", 0))
     pin = pin_memory if cfg.get("pin_memory") is None else bool(cfg.get("pin_memory"))
-    common: dict[str, Any] = dict(num_workers=workers, pin_memory=pin, persistent_workers=workers > 0)
-    test = bundle.test if world_size == 1 else Subset(bundle.test, test_share)
+    common: dict[str, Any] = dict(num_workers=workers, pin_memory=pin, persistent_workers=workers > 0,
+                                  collate_fn=feed.collate)
+    test = feed.test if world_size == 1 else Subset(feed.test, test_share)
     # its own generator too: an iterator draws its workers' base seed, never from the global RNG
     test_loader = DataLoader(test, batch_size=int(cfg.get("eval_batch_size", 500)), shuffle=False,
                              generator=torch.Generator().manual_seed(seeds[0]), **common)
-    return [Loaders(DataLoader(bundle.train, batch_size=batch_size, sampler=sampler,
-                               generator=torch.Generator().manual_seed(seed), **common), test_loader, sampler, batch_size)
+    test_batches = DeviceBatches(test_loader, feed.test_to_device)
+    return [Loaders(DataLoader(feed.train, batch_size=batch_size, sampler=sampler,
+                               generator=torch.Generator().manual_seed(seed), **common), test_batches, sampler,
+                    batch_size, to_device=feed.train_to_device)
             for seed, sampler in zip(seeds, samplers)]

@@ -20,9 +20,10 @@ from bnexp.data.files import changed_files
 # Settings that do not change what a run computes: where it logs, how often it saves or
 # prints, how long its processes wait for each other, which device it runs on, whether it
 # trains packed with other runs and how a pack's convolutions are computed (the same
-# computation, rounded differently), whether data
-# is downloaded and checked. A key covers its whole subtree. (data.num_workers is not one: each DataLoader worker draws its own
-# augmentation.)
+# computation, rounded differently), whether data is downloaded and checked, where
+# ImageNet's JPEGs are decoded (the same crops and flips, pixels rounded differently by the
+# decoder and resizer). A key covers its whole subtree.
+# (data.num_workers is not one: each DataLoader worker draws its own augmentation.)
 NON_RESULT_KEYS = (
     "logger",
     "tags",
@@ -37,6 +38,7 @@ NON_RESULT_KEYS = (
     "trainer.dist_timeout",
     "data.download",
     "data.verify",
+    "data.decode",
 )
 # Settings added after runs were recorded, each at the value that computes what runs did
 # before it existed. At that value a setting is left out of the fingerprint, so a run
@@ -45,6 +47,7 @@ NEUTRAL_SINCE_ADDED: dict[str, Any] = {
     "norm.input": True,            # before_op nets normalize their input (2026-11-24)
     "model.init_scale": 1,         # the model's own initialization, unscaled (2026-11-24)
     "schedule.warmup_unit": None,  # the warmup counted in schedule.unit (2026-11-24)
+    "data.standardize": True,      # images minus the mean, over the std (2026-11-28)
 }
 # Tables that a preset's interpolations read (``${oc.select:lookup.warmup.${norm.name}...}``):
 # what a run takes from them is in the keys that read them, so the tables themselves are

@@ -200,13 +200,11 @@ class PackTrainer(Trainer):
 
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Each run's own batch (a frozen run's too: the pack keeps its shapes), packed."""
-        device = self.state.device
         for m, loaders in zip(self.members, self.loaders):
-            m.stream = loaders.epochs_from(self.state.step)
+            m.stream = (loaders.to_device(x, y) for x, y in loaders.epochs_from(self.state.step))
         while True:
             batches = [m.next_batch(self.swap_rng) for m in self.members]
-            yield (pack_inputs([x.to(device, non_blocking=True) for x, _ in batches]),
-                   torch.stack([y for _, y in batches], 1).to(device, non_blocking=True))
+            yield pack_inputs([x for x, _ in batches]), torch.stack([y for _, y in batches], 1)
 
     def criterion(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Each run's mean loss, frozen runs' replaced by 0 (their NaN never enters a sum)."""

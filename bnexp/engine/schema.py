@@ -17,6 +17,7 @@ from annotated_types import Ge, Gt, Le, Lt
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
 
+from bnexp.data.imagenet import DECODES
 from bnexp.data.loaders import LOADERS
 from bnexp.data.sampling import SAMPLINGS
 from bnexp.engine.amp_compile import AMP_DTYPES
@@ -130,6 +131,7 @@ class DataKeys(TypedDict, total=False):
     split_seed: Annotated[int, Field(ge=0, le=MAX_SEED)]
     test_fraction: Annotated[float, Field(gt=0, lt=1)]
     sampling: choice(SAMPLINGS)
+    standardize: bool  # false: images / 255 in [0, 1] (BNP's TensorFlow nets); true: minus the mean, over the std
     drop_last: Optional[bool]
     augment: bool
     aug: str
@@ -141,6 +143,7 @@ class DataKeys(TypedDict, total=False):
     format: str
     bad_images: str
     check_images: bool
+    decode: choice(DECODES)
 
 
 @with_config(STRICT)

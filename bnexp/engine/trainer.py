@@ -238,7 +238,7 @@ class Trainer:
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Training batches on the device, from the current step on."""
         for x, y in self.loaders[0].epochs_from(self.state.step):
-            yield x.to(self.state.device, non_blocking=True), y.to(self.state.device, non_blocking=True)
+            yield self.loaders[0].to_device(x, y)
 
     def criterion(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, y)
