@@ -222,3 +222,29 @@ def test_the_lock_of_a_killed_process_not_yet_reaped_is_stale(tmp_path: Path) ->
     with RunLock(run):  # taken over while the zombie is still there
         assert read_owner(run / LOCK_NAME)["pid"] == os.getpid()
     os.waitpid(child, 0)
+
+
+def test_bad_pack_settings_are_refused_before_anything_is_written(tmp_path: Path, capsys) -> None:
+    code, out = run_cli(["train", *TINY, "trainer.pack_conv=stripes", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    assert code == 2 and "trainer.pack_conv" in out and "'grouped'" in out and "'streams'" in out
+    code, out = run_cli(["train", "-m", *SWEEP, "trainer.seed=0,1", "hydra.launcher.per_gpu=0",
+                         f"hydra.sweep.dir={tmp_path / 'sweep'}"], capsys)
+    assert code != 0 and "hydra.launcher.per_gpu=0 is not valid: use an integer >= 1" in out
+    code, out = run_cli(["train", "-m", *TINY, "trainer.pack=auto", "trainer.seed=0,1",
+                         f"hydra.sweep.dir={tmp_path / 'sweep'}"], capsys)
+    assert code == 2 and "trainer.pack=auto sizes the packs of a sweep, which hydra/launcher=pack" in out
+    assert not (tmp_path / "run").exists() and not any((tmp_path / "sweep").glob("*/summary.json"))
+
+
+@pytest.mark.slow
+def test_the_readme_s_table1_pack_commands(tmp_path: Path, capsys, monkeypatch) -> None:
+    """As the README writes them: Table 1's 1,350 runs in packs of at most 60 are its 20 tuned
+    row x activation groups (6 rho x 10 seeds each) and 15 cells of 10 seeds."""
+    monkeypatch.chdir(tmp_path)
+    code, out = run_cli(["reproduce", "cbn/table1", "dry_run=true", "trainer.pack=60"], capsys)
+    assert code == 0, out[-2000:]
+    assert "35 packs (20 of 60, 15 of 10 runs) for " in out
+    assert "pack 16: cbn_row=r2 act=sigmoid trainer.pack=60: rho=0.25 seeds 0-9, rho=0.5 seeds 0-9, " in out
+    code, out = run_cli(["train", "-m", "experiment=cbn/table1", "hydra/launcher=pack", "trainer.pack=60",
+                         "--dry-run"], capsys)
+    assert code == 0 and "1350 jobs in results/cbn/table1" in out and not (tmp_path / "results").exists()
