@@ -96,7 +96,7 @@ def test_gpu_check_plans_every_check_and_summarizes_them() -> None:
     assert [name for name, _ in checks(False)] == ["tests"]
     plan = dict(checks(True))
     assert list(plan) == ["tests", "bench-norms", "bench-step", "bench-data", "bench-pack", "bench-run",
-                          "resnet20-bn", "resnet20-cbn", "resnet20-cbn-pack10", "imagenet-input"]
+                          "resnet20-bn", "resnet20-cbn", "resnet20-cbn-pack10", "imagenet-input", "table-cost"]
     assert {"trainer.pack=10", "norm=cbn", "target_seconds=180"} <= set(plan["resnet20-cbn-pack10"])
     assert all("device=cuda" in command for name, command in plan.items() if name != "tests")
     assert {"trainer.amp=bf16", "trainer.channels_last=true", "trainer.compile=true", "norm=cbn"} <= set(

@@ -71,13 +71,14 @@ def checks(gpu: bool) -> list[tuple[str, list[str]]]:
     found.append(("bench-run", bench("bench-run", "run", "reps=1", *CIFAR_SHAPED)))
     found += [(f"resnet20-{norm}", bench(f"resnet20-{norm}", "run", "reps=1", *CIFAR_SHAPED, *FAST, f"norm={norm}"))
               for norm in TARGET_NORMS]
-    found.append(("table-cost", bench("table-cost", "table_cost", "budget=150")))  # bnexp/bench/table_cost.py
     found.append((f"resnet20-cbn-pack{PACK_TARGET}", bench(f"resnet20-cbn-pack{PACK_TARGET}", "run", "reps=1",
                                                             *CIFAR_SHAPED, *FAST, "norm=cbn", f"trainer.pack={PACK_TARGET}",
                                                             "target_seconds=180")))
     # ImageNet input (CPU path at 1/8/16 workers, the device path) against ResNet-50's step at
     # batch 128/64/32; about 120 s: the bench starts no case its budget cannot hold
     found.append(("imagenet-input", bench("imagenet-input", "imagenet", "budget_s=120")))
+    # CBN Table 1's cost by pack size, conv form and workers per GPU (bnexp/bench/table_cost.py); about 150 s
+    found.append(("table-cost", bench("table-cost", "table_cost", "budget=150")))
     return found
 
 
