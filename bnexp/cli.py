@@ -34,7 +34,7 @@ commands:
   plot       loss / accuracy curves: bnexp plot cbn/table1 [results=DIR] [out=DIR], or bnexp plot DIR [out=DIR]
   eval       a finished run's final weights on a data set: bnexp eval RUN_DIR [data=NAME] [split=test|train]
   export     a finished run's weights for other tools: bnexp export RUN_DIR [format=torchvision|safetensors]
-  bench      speed: bnexp bench norms|step|data|run|pack|imagenet [reps=5] [out=FILE.json] (docs/benchmarks.md)
+  bench      speed: bnexp bench norms|step|data|run|pack|imagenet|table_cost [reps=5] [out=FILE.json] (docs/benchmarks.md)
   lrsearch   largest stable lr per method (CBN Table 6): bnexp lrsearch [methods=[none,cbn]] [acts=[relu]] [lrs=[...]] [out=DIR]
   hessian    Hessian condition numbers in training (BNP Fig. 8): bnexp hessian [norms=[none,bnp]] [out=DIR]
   claims     the papers' claims checked on real digits, with verdicts: bnexp claims [all | NAME ...] [scale=quick]

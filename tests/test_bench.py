@@ -113,3 +113,25 @@ def test_bench_imagenet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert all(r["images_per_s"] > 0 and r["ratio"] is None for r in records[1:])  # no model measured
     row = (tmp_path / "imagenet.md").read_text()
     assert row.startswith("| 20") and "gpu/cbn/w1" in row and row.count("\n") == 1
+
+
+TABLE1_IMAGES = 1350 * 120 * 391 * 128  # CBN Table 1: runs x epochs x steps of 128 per CIFAR-10 epoch x batch
+
+
+def test_bench_table_cost(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every K x form at the first setup, the largest K at the other, one worker: images/s
+    from the step, Table 1's GPU-hours from its 1,350 runs of 120 epochs, the best named,
+    and the markdown row beside the JSON."""
+    args = ["table_cost", "runs=1,2", "convs=grouped,streams", "workers=1", "setups=off:contiguous,off:channels_last",
+            "batch=4", "image_size=8", "warmup=1", *TOY_MODEL]
+    records = bench(args, tmp_path, capsys)
+    assert [r["name"] for r in records] == [
+        "K=1 grouped x1 off contiguous", "K=1 streams x1 off contiguous", "K=2 grouped x1 off contiguous",
+        "K=2 streams x1 off contiguous", "K=2 grouped x1 off channels_last", "K=2 streams x1 off channels_last"]
+    for r in records:
+        assert r["images_per_second"] == pytest.approx(r["runs"] * 4 / r["seconds_median"])
+        assert r["table1_gpu_hours"] == pytest.approx(TABLE1_IMAGES / r["images_per_second"] / 3600)
+    best = max(records, key=lambda r: r["images_per_second"])
+    assert [r["best"] for r in records] == [r is best for r in records] and best["ratio"] == 1
+    row = (tmp_path / "table_cost.md").read_text().splitlines()[2]
+    assert f"| {best['name']} | {best['images_per_second']:,.0f} | {best['table1_gpu_hours']:.2f} |" in row

@@ -710,3 +710,125 @@ def test_stopped_pack_stops_its_hooks_as_a_run_alone(tmp_path: Path, monkeypatch
     assert ended == [(1, "diverged")]
     assert stopped == [("shared", "preempted"), (0, "preempted"), (2, "preempted")]  # in the order of the hooks
     assert [read_summary(d)["status"] for d in dirs] == ["preempted", "diverged", "preempted"]
+
+
+# The rows of the CBN ablation whose rho is tuned (configs/cbn_row/), and POP-Norm's kappa:
+# runs of one row that differ in rho (and seed) train as one pack. Row 6 is torch's BatchNorm
+# at rho = 1 and the family elsewhere; its pack gives that run the family's form.
+TUNED_ROWS = {"r2": (["norm=cbn"], (0.5, 1.0, 4.0)),
+              "r5": (["norm=bn", "norm.placement=before_op", "norm.decouple=true"], (0.5, 1.0, 4.0)),
+              "r6": (["norm=bn"], (0.5, 1.0, 4.0)),
+              "r7": (["norm=bn", "norm.amat=true"], (0.5, 1.0, 4.0)),
+              "popnorm": (["norm=popnorm"], (1.0, 4.0, 16.0))}
+
+
+def rho_pack(row: str, rhos, tmp_path: Path, conv: str = "grouped"):
+    """20 steps of a pack of ResNet-20 runs of ``row``, run ``r`` at ``rhos[r]`` with seed ``r``:
+    the configs, each run's data, the trained pack and its optimizer / hook state."""
+    norm, _ = TUNED_ROWS[row]
+    overrides, size, batch = MODELS["resnet20"]
+    cfgs = [compose_cfg([*overrides, *norm, f"norm.rho={rho}", *PROTOCOL]) for rho in rhos]
+    spec = DataSpec(10, 3, size)
+    data = [batches(run, size, batch) for run in range(len(rhos))]
+    packed = pack_models([seeded(cfg, spec, run) for run, cfg in enumerate(cfgs)], conv)
+    joined = [(pack_inputs([d[s][0] for d in data]), torch.stack([d[s][1] for d in data], 1)) for s in range(STEPS)]
+    packed, extra = train(cfgs[0], packed, joined, tmp_path, packed_losses)
+    return cfgs, data, packed, extra
+
+
+@pytest.mark.parametrize("row", [pytest.param(row, marks=[pytest.mark.slow] if row in ("r5", "r7", "popnorm") else [])
+                                 for row in sorted(TUNED_ROWS)])  # CBN (AMAT) and BN mixed with the family always
+def test_mixed_rho_pack_equals_runs_alone_in_float64(row: str, tmp_path: Path) -> None:
+    """A pack across the rho grid: each run equals the same run trained alone (its own rho,
+    its own seed and batches) after 20 steps with momentum, weight decay, warmup, an lr
+    milestone and AMAT's changing eta, to below 1e-10 in float64."""
+    rhos = TUNED_ROWS[row][1]
+    cfgs, data, packed, extra = rho_pack(row, rhos, tmp_path)
+    spec = DataSpec(10, 3, MODELS["resnet20"][1])
+    for run, cfg in enumerate(cfgs):
+        alone, extra_alone = train(cfg, seeded(cfg, spec, run), data[run], tmp_path, nn.functional.cross_entropy)
+        assert cfg.norm.rho == rhos[run]
+        difference = max(max_difference(unpack_state(packed.state_dict(), RUNS)[run], alone.state_dict()),
+                         max_difference(unpack_state(extra, RUNS)[run], extra_alone))
+        assert difference < TOL, (row, run, difference)
+    held = [m.rho_channels for m in packed.modules() if isinstance(m, NormFamily)]
+    assert held and all(torch.equal(r, torch.tensor(rhos, dtype=torch.float64).repeat_interleave(len(r) // RUNS))
+                        for r in held)
+
+
+def test_run_of_a_mixed_rho_pack_is_bit_identical_to_its_rho_s_own_pack(tmp_path: Path) -> None:
+    """Nothing of one run reaches another: run 0 of a pack at rho (0.5, 1, 4) is bit for bit
+    run 0 of the pack at rho (0.5, 0.5, 0.5)."""
+    _, _, mixed, mixed_extra = rho_pack("r2", (0.5, 1.0, 4.0), tmp_path)
+    _, _, same, same_extra = rho_pack("r2", (0.5, 0.5, 0.5), tmp_path)
+    assert max_difference(unpack_state(mixed.state_dict(), RUNS)[0], unpack_state(same.state_dict(), RUNS)[0]) == 0
+    assert max_difference(unpack_state(mixed_extra, RUNS)[0], unpack_state(same_extra, RUNS)[0]) == 0
+
+
+def test_streams_compute_what_the_grouped_convolution_computes(tmp_path: Path) -> None:
+    """``trainer.pack_conv=streams`` (one convolution per run) against the grouped one, in
+    float64: one layer's output and gradients to rounding, and 20 training steps of a pack."""
+    from bnexp.nn.packed import PackedConv2d
+
+    layers = [PackedConv2d(3, conv, 3 * 4, 3 * 6, 3, 2, 1, groups=3 * 2, bias=True).double() for conv in
+              ("grouped", "streams")]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(5, 12, 9, 9, dtype=torch.float64, requires_grad=True)
+    outs = [layer(x) for layer in layers]
+    grads = [torch.autograd.grad(out.square().sum(), [x, *layer.parameters()]) for out, layer in zip(outs, layers)]
+    assert (outs[0] - outs[1]).abs().max() < 1e-13
+    assert all((a - b).abs().max() < 1e-12 for a, b in zip(*grads))
+    torch.autograd.gradcheck(layers[1], (x[:2, :, :5, :5].detach().requires_grad_(),))
+    _, _, grouped, grouped_extra = rho_pack("r2", (0.5, 1.0, 4.0), tmp_path)
+    _, _, streams, streams_extra = rho_pack("r2", (0.5, 1.0, 4.0), tmp_path, conv="streams")
+    assert max_difference(grouped.state_dict(), streams.state_dict()) < TOL
+    assert max_difference(grouped_extra, streams_extra) < TOL
+
+
+def test_runs_that_differ_in_a_constant_of_a_layer_do_not_pack() -> None:
+    from bnexp.support.errors import ConfigError
+
+    cfgs = [compose_cfg(["model=resnet20", "model.width=4", "norm=cbn", f"norm.eps={eps}"]) for eps in (1e-5, 1e-3)]
+    models = [build_model(cfg.model, cfg.norm, cfg.act.name, DataSpec(10, 3, 8)) for cfg in cfgs]
+    with pytest.raises(ConfigError, match=r"differ in stem\.pre\.eps \(1e-05 and 0\.001\)"):
+        pack_models(models)
+
+
+@pytest.mark.slow
+def test_a_worker_s_next_pack_of_other_rho_compiles_nothing_new(tmp_path: Path, monkeypatch) -> None:
+    """``trainer.compile``: a process that trains pack after pack (a worker) keeps the first
+    pack's model, wrapper and optimizer for the next pack of the same layers. Packs of other rho
+    values and seeds then run through the graphs dynamo traced for the first (its counters do
+    not move: rho is a tensor the graph reads), and nothing of one pack reaches the next: the
+    same pack trained after a pack of other rho and again after itself is bit-identical.
+    (Dynamo traces with its eager backend here: what is traced is what counts, and inductor
+    would only add minutes of CPU codegen.)"""
+    from torch._dynamo.utils import counters
+
+    from bnexp.engine import pack as pack_module
+    from bnexp.engine.pack import train_pack
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: compile_(*a, **{"backend": "eager", **k}))
+    monkeypatch.setattr(pack_module, "_compiled", [])
+    torch._dynamo.reset()
+    counters.clear()
+
+    def pack(rhos, seeds, name: str) -> list[Path]:
+        cfgs = [compose_cfg([*PACK_RUN, "trainer.compile=true", f"norm.rho={rho}", f"trainer.seed={seed}"])
+                for rho, seed in zip(rhos, seeds)]
+        dirs = [tmp_path / name / str(i) for i in range(len(cfgs))]
+        assert all(s["status"] == "completed" for s in train_pack(cfgs, dirs))
+        return dirs
+
+    pack((0.5, 2.0, 4.0), (3, 4, 5), "first")
+    traced = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
+    assert traced[0] > 0
+    model = pack_module._compiled[0].model
+    pack((1.0, 0.25, 8.0), (0, 1, 2), "other")
+    after_other = pack((0.5, 2.0, 4.0), (3, 4, 5), "after-other")
+    after_itself = pack((0.5, 2.0, 4.0), (3, 4, 5), "after-itself")
+    assert (counters["stats"]["unique_graphs"], counters["frames"]["total"]) == traced
+    assert pack_module._compiled[0].model is model
+    for a, b in zip(after_other, after_itself):
+        assert_same_run(a, b)

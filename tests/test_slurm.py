@@ -196,3 +196,31 @@ def test_scontrol_requeue_mid_run_resumes_bit_identically(cluster: None, tmp_pat
     assert code == 0, said
     (reference,) = local.glob("results/runs/*")
     assert_same_run(run, reference)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm")  # one node: the cluster tests take turns in one worker
+def test_pack_slurm_workers_are_the_tasks_of_one_job(cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """hydra/launcher=pack_slurm with per_gpu=2 on a CPU node: one SLURM job of two tasks
+    trains the two packs (across rho), and each run equals the same run trained by the
+    packing launcher in this process."""
+    sweep = [*TINY, "norm=cbn", "norm.rho=0.5,2.0", "trainer.seed=0,1,2", "trainer.pack=3"]
+    on_slurm = tmp_path / "slurm"
+    on_slurm.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "bnexp", "train", "-m", "hydra/launcher=pack_slurm",
+                             "hydra.launcher.gpus_per_node=0", "hydra.launcher.per_gpu=2", *sweep], cwd=on_slurm,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = finish(proc, on_slurm)
+    assert "sweep finished: 6 cells: 6 completed" in out, out[-3000:]
+    local = tmp_path / "local"
+    local.mkdir()
+    monkeypatch.chdir(local)
+    code, said = run_cli(["train", "-m", "hydra/launcher=pack", *sweep], capsys)
+    assert code == 0, said
+    cells = sorted(p.parent.relative_to(local) for p in local.glob("results/multirun/*/*/summary.json"))
+    assert len(cells) == 6
+    for cell in cells:
+        assert len(read_summary(on_slurm / cell)["packed_with"]) == 2
+        assert_same_run(on_slurm / cell, local / cell)

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from bnexp.app.compose import config_dir, group_options, hydra_session, is_group, parser
+from bnexp.app.jobs import pack_misplaced
 from bnexp.engine.config import meaningless, validate
 from bnexp.support.errors import ConfigError
 
@@ -251,5 +252,9 @@ def check_command_line(args: Sequence[str]) -> None:
         swept = swept_values(parsed)
         for cfg in composed:
             check_values(cfg, task, swept)
+        problem = pack_misplaced(composed[0].trainer.get("pack"), multirun,
+                                 str(composed[0].hydra.launcher.get("_target_", "")))
+        if problem:
+            raise ConfigError(problem)
         if DRY_RUN not in args:  # a dry run writes nothing
             check_output(composed[0], task, multirun)

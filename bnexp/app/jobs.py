@@ -102,7 +102,8 @@ def train_job(cfg: DictConfig) -> float:
     The outcome goes to the sweep's ledger (:func:`bnexp.app.sweep.record`). A failure ends a
     single run with its exit code; in a sweep the next cell runs. A preemption or Ctrl-C
     ends the sweep (the whole job is being stopped). ``trainer.pack=K`` trains seeds
-    ``trainer.seed`` to ``trainer.seed + K - 1`` as one pack (:func:`pack_jobs`).
+    ``trainer.seed`` to ``trainer.seed + K - 1`` as one pack (:func:`pack_jobs`); in a sweep
+    it is the size of the packing launcher's packs (:func:`packing_launcher`).
     """
     hydra_cfg = HydraConfig.get()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
@@ -110,11 +111,12 @@ def train_job(cfg: DictConfig) -> float:
     prepare_config_tree()  # a launcher's worker process starts without them
     console_log_only_off_rank_0()
     pack = cfg.trainer.get("pack", 1)
-    if isinstance(pack, int) and pack > 1:  # validate() names any other value than an integer >= 1
-        if sweeping:
-            report_error(f"trainer.pack={pack} packs the seeds of one run; a sweep packs its seeds with "
-                         "hydra/launcher=pack (at most hydra.launcher.max_pack per pack)", to_log=False)
-            sys.exit(ConfigError.exit_code)
+    problem = pack_misplaced(pack, sweeping, str(hydra_cfg.get("launcher", {}).get("_target_", "")))
+    if problem:  # the command line's check catches it first (bnexp.app.cmdline)
+        report_error(problem, to_log=False)
+        sys.exit(ConfigError.exit_code)
+    # In a sweep under the packing launcher trainer.pack sizes its packs; this job is alone in its own.
+    if isinstance(pack, int) and pack > 1 and not sweeping:
         return train_pack_job(pack_jobs(Job(cfg, hydra_cfg, run_dir), pack), sweeping)[0]
 
     def single() -> list[tuple[str, Any]]:
@@ -123,6 +125,20 @@ def train_job(cfg: DictConfig) -> float:
             return [run_job(cfg, hydra_cfg, run_dir, sweeping)]
 
     return run_and_record([run_dir], sweeping, single)[0]
+
+
+def pack_misplaced(pack: Any, sweeping: bool, launcher: str) -> str | None:
+    """Why ``trainer.pack`` cannot apply where it is given (``launcher``: the ``_target_`` of
+    the command's Hydra launcher), None when it can: ``auto`` sizes the packs of a sweep, and
+    a sweep packs only under bnexp's packing launchers (``pack``, ``pack_slurm``)."""
+    packs = pack == "auto" or isinstance(pack, int) and not isinstance(pack, bool) and pack > 1
+    if sweeping and packs and not launcher.startswith("hydra_plugins.bnexp_launcher."):
+        return (f"trainer.pack={pack} sizes the packs of a sweep, which hydra/launcher=pack (or pack_slurm) "
+                "trains; add it, or leave trainer.pack out")
+    if not sweeping and pack == "auto":
+        return ("trainer.pack=auto sizes the packs of a sweep (bnexp train -m ... hydra/launcher=pack); on one "
+                "command line give the number of seeds to pack (trainer.pack=10)")
+    return None
 
 
 ENDED = ("completed", "diverged")  # the statuses of a run that a signal cannot leave unfinished

@@ -28,7 +28,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -42,6 +42,7 @@ from bnexp.data.files import identity_problem
 from bnexp.engine.checkpoint import FINAL, periodic_step, read_config, resume_candidates, verified_bytes
 from bnexp.engine.config import lr_not_applicable
 from bnexp.engine.identity import cell_name, differences, fingerprint, override_key, run_differences
+from bnexp.engine.pack import PER_RUN_KEYS
 from bnexp.support.errors import EXIT_FAILED, ConfigError, OtherRunThere
 from bnexp.support.runinfo import duration, read_run_json
 from bnexp.support.runlock import HELD_ENV
@@ -253,22 +254,25 @@ def config_problem(run_dir: Path, cfg: DictConfig) -> str:
     return ""
 
 
-def pack_groups(job_overrides: Sequence[Sequence[str]]) -> list[list[int]]:
-    """The indices of a sweep's jobs grouped by everything but ``trainer.seed``, in the
-    order the jobs come."""
+def pack_groups(job_overrides: Sequence[Sequence[str]], per_run: Sequence[str] = PER_RUN_KEYS) -> list[list[int]]:
+    """The indices of a sweep's jobs grouped by everything but the ``per_run`` keys (those in
+    which the runs of a pack may differ: the seed and rho), in the order the jobs come. The
+    jobs of a group have the same model, shapes, data, schedule and norm; what else their
+    layers hold is checked as each pack is built (:func:`bnexp.models.packing.common_layers`)."""
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, overrides in enumerate(job_overrides):
-        key = tuple(sorted(o for o in overrides if override_key(o) != "trainer.seed"))
+        key = tuple(sorted(o for o in overrides if override_key(o) not in per_run))
         groups.setdefault(key, []).append(i)
     return list(groups.values())
 
 
-def distinct_packs(seeds: Sequence[int], max_pack: int) -> list[list[int]]:
-    """Positions of ``seeds`` cut into packs of at most ``max_pack`` with no seed twice (a
-    job without a seed override and one with ``trainer.seed=0`` are the same run twice)."""
+def distinct_packs(runs: Sequence[Hashable], max_pack: int) -> list[list[int]]:
+    """Positions of ``runs`` (each job's values of the per-run keys, resolved) cut into packs of
+    at most ``max_pack`` with no run twice (a job without a seed override and one with
+    ``trainer.seed=0`` are the same run twice)."""
     packs: list[list[int]] = []
-    for i, seed in enumerate(seeds):
-        home = next((p for p in packs if len(p) < max_pack and all(seeds[j] != seed for j in p)), None)
+    for i, run in enumerate(runs):
+        home = next((p for p in packs if len(p) < max_pack and all(runs[j] != run for j in p)), None)
         if home is None:
             packs.append([i])
         else:

@@ -18,17 +18,18 @@ from bnexp.app.sweep import print_sweep_report
 from bnexp.app.torchrun import rank_overrides
 from bnexp.support.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, ConfigError
 from bnexp.support.options import print_error
-from hydra_plugins.bnexp_launcher import PackLauncher
+from hydra_plugins.bnexp_launcher import PackLauncher, PackSlurmLauncher
 from hydra_plugins.bnexp_sweeper import BnexpSweeper
 
 
 def register_plugins() -> None:
-    """Make bnexp's sweeper (``hydra/sweeper=bnexp``) and packing launcher
-    (``hydra/launcher=pack``) known to Hydra. A wheel install puts them where Hydra's plugin
+    """Make bnexp's sweeper (``hydra/sweeper=bnexp``) and packing launchers
+    (``hydra/launcher=pack`` and ``pack_slurm``) known to Hydra. A wheel install puts them where Hydra's plugin
     scan finds them; an editable install's import hook hides them from that scan, so they
     are registered by hand, as Hydra's ``Plugins.register`` allows."""
     Plugins.instance().register(BnexpSweeper)
     Plugins.instance().register(PackLauncher)
+    Plugins.instance().register(PackSlurmLauncher)
 
 
 # Hydra plugins bnexp's extras install: (override prefix, the plugin's module, the extra).

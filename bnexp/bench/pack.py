@@ -23,13 +23,8 @@ from omegaconf import DictConfig
 
 from bnexp.bench.common import COMMON, Record, compose_train, device_of, measure, record
 from bnexp.bench.step import MODELS, STEP_OVERRIDES, step_case
-from bnexp.engine.amp_compile import AmpCompileWrapper
-from bnexp.engine.callbacks import TrainState
-from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
-from bnexp.engine.optim import build_optimizer, build_schedule
-from bnexp.engine.trainer import train_step
-from bnexp.models import DataSpec, build_model
-from bnexp.models.packing import pack_models, packed_losses
+from bnexp.engine.pack_size import packed_step
+from bnexp.models import DataSpec
 
 DEFAULTS: dict[str, Any] = {**COMMON, "modes": ("eager",), "number": 3, "model": "resnet20", "norm": "cbn",
                             "runs": ("1", "2", "5", "10"), "batch": 0, "image_size": 0, "epochs": 120,
@@ -42,22 +37,7 @@ COLUMNS = ("name", "mode", "seconds_median", "seconds_iqr", "ratio", "ratio_iqr"
 def pack_case(cfg: DictConfig, spec: DataSpec, batch: int, runs: int, device: torch.device,
               run_dir: Path) -> Callable[[], object]:
     """One training step of a pack of ``runs`` runs of ``cfg`` on fixed batches."""
-    models = []
-    for seed in range(runs):
-        torch.manual_seed(seed)
-        models.append(build_model(cfg.model, cfg.norm, cfg.act.name, spec))
-    model = pack_models(models).to(device)
-    net = AmpCompileWrapper.from_config(model, device, cfg.trainer)
-    optimizer = build_optimizer(model, cfg.optim)
-    state = TrainState(cfg, run_dir, device, model, optimizer, build_schedule(optimizer, cfg.schedule, 1), 1, 10**9)
-    callbacks = [cb for cb in method_callbacks(cfg) if not isinstance(cb, WeightNormLog)]
-    for cb in callbacks:
-        cb.on_train_start(state)
-    g = torch.Generator(device).manual_seed(0)
-    x = torch.randn(batch, runs * spec.in_channels, spec.image_size, spec.image_size, device=device, generator=g)
-    y = torch.randint(spec.num_classes, (batch, runs), device=device, generator=g)
-    model.train()
-    return lambda: train_step(net, optimizer, callbacks, state, x, y, packed_losses)
+    return packed_step(cfg, spec, batch, runs, device, run_dir)[0]
 
 
 def bench(options: Mapping[str, Any], overrides: Sequence[str]) -> list[Record]:

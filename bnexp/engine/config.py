@@ -122,7 +122,8 @@ def _warmup(cfg: DictConfig) -> None:
 def _seeds(cfg: DictConfig) -> None:
     """The seeds a run draws (``trainer.seed`` plus the rank, or plus the member of a pack)
     fit numpy's 32 bits."""
-    seed, runs = cfg.trainer.seed, max(cfg.trainer.nproc, cfg.trainer.pack)
+    pack = cfg.trainer.pack if isinstance(cfg.trainer.pack, int) else 1  # auto: a sweep's packs, one run each here
+    seed, runs = cfg.trainer.seed, max(cfg.trainer.nproc, pack)
     if seed + runs - 1 > MAX_SEED:
         raise ConfigError(f"trainer.seed={seed} is too large for trainer.nproc={cfg.trainer.nproc} and trainer.pack="
                           f"{cfg.trainer.pack}: the seeds {seed} to {seed + runs - 1} must be <= {MAX_SEED}")

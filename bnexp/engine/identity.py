@@ -19,10 +19,11 @@ from bnexp.data.files import changed_files
 
 # Settings that do not change what a run computes: where it logs, how often it saves or
 # prints, which checkpoints it keeps, how long its processes wait for each other, which device it runs on, whether it
-# trains packed with other seeds (the same computation, rounded differently), whether data
-# is downloaded and checked, where ImageNet's JPEGs are decoded (the same crops and flips,
-# pixels rounded differently by the decoder and resizer), whether the step is replayed as a
-# CUDA graph (the same bits). A key covers its whole subtree.
+# trains packed with other runs and how a pack's convolutions are computed (the same
+# computation, rounded differently), whether data is downloaded and checked, where
+# ImageNet's JPEGs are decoded (the same crops and flips, pixels rounded differently by the
+# decoder and resizer), whether the step is replayed as a CUDA graph (the same bits). A key
+# covers its whole subtree.
 # (data.num_workers is not one: each DataLoader worker draws its own augmentation.)
 NON_RESULT_KEYS = (
     "logger",
@@ -30,6 +31,7 @@ NON_RESULT_KEYS = (
     "trainer.resume",
     "trainer.pack",
     "trainer.cuda_graph",
+    "trainer.pack_conv",
     "trainer.device",
     "trainer.log_every",
     "trainer.checkpoint_every",

@@ -1,7 +1,9 @@
-"""Packed runs (``trainer.pack``): the seeds of one cell trained together as one model.
+"""Packed runs (``trainer.pack``): the seeds of one cell, or of a row's rho grid, trained as one model.
 
-K runs whose configs differ only in ``trainer.seed`` are trained in one process as one
-packed model (:mod:`bnexp.models.packing`): run ``k`` keeps its own initial weights (its
+K runs whose configs differ only in their :data:`PER_RUN_KEYS` (``trainer.seed`` and rho,
+``norm.rho``: CBN's rho, POP-Norm's kappa) are trained in one process as one packed model
+(:mod:`bnexp.models.packing`; each run's rho is a per-channel buffer of its channels, so a
+compiled graph reads it as an input): run ``k`` keeps its own initial weights (its
 model is built right after seeding, as alone), its own batches (its own sampler stream and
 augmentation draws: its global random state is swapped in around its batches) and its own
 mean loss; the loss differentiated is the sum of the runs' losses, so each run's gradient
@@ -44,7 +46,8 @@ from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule
 from bnexp.engine.trainer import Member, Trainer, outcome_recorded, setup_summary, total_steps, training_loaders
 from bnexp.models import build_model
-from bnexp.models.packing import pack_inputs, pack_models, pack_state, packed_losses, unpack_state
+from bnexp.models.packing import load_packed, pack_inputs, pack_models, pack_state, packed_losses, same_layers, unpack_state
+from bnexp.nn.packed import GROUPED
 from bnexp.support.distributed import Dist
 from bnexp.support.errors import ConfigError
 from bnexp.support.runinfo import RunLogFile, configure_backends, resolve_device, seed_everything
@@ -52,6 +55,9 @@ from bnexp.support.runinfo import RunLogFile, configure_backends, resolve_device
 log = logging.getLogger("bnexp.engine.pack")
 
 PACK_KEY = "trainer.pack"
+# The settings in which the runs of a pack may differ: the seed, and rho, which the normalization
+# family reads from a per-channel buffer (bnexp.nn.family.NormFamily.rho_channels).
+PER_RUN_KEYS = ("trainer.seed", "norm.rho")
 
 
 @dataclass
@@ -100,19 +106,33 @@ def unpackable(cfg: DictConfig) -> list[str]:
     return [key for key, on in unsupported.items() if on]
 
 
+def per_run_values(cfg: DictConfig) -> tuple[Any, ...]:
+    """The values of :data:`PER_RUN_KEYS` in ``cfg`` (None for a key it does not have)."""
+    return tuple(OmegaConf.select(cfg, key) for key in PER_RUN_KEYS)
+
+
+def shared_settings(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg`` resolved, without its :data:`PER_RUN_KEYS`: what every run of its pack shares."""
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    for key in PER_RUN_KEYS:
+        section, _, name = key.rpartition(".")
+        tree.get(section, {}).pop(name, None)
+    return tree
+
+
 def check_pack(cfgs: Sequence[DictConfig]) -> None:
-    """A ConfigError unless ``cfgs`` can train as one pack: the same settings but the seed,
-    distinct seeds, and nothing :func:`unpackable`."""
+    """A ConfigError unless ``cfgs`` can train as one pack: the same settings but the
+    :data:`PER_RUN_KEYS`, no run twice, and nothing :func:`unpackable`."""
     first = cfgs[0]
-    seeds = [int(c.trainer.seed) for c in cfgs]
-    if len(set(seeds)) != len(seeds):
-        raise ConfigError(f"{PACK_KEY}: the runs of a pack need distinct trainer.seed values, got {seeds}")
-    common = OmegaConf.to_container(first, resolve=True)
+    runs = [per_run_values(c) for c in cfgs]
+    if len(set(runs)) != len(runs):
+        raise ConfigError(f"{PACK_KEY}: the runs of a pack must differ in {' or '.join(PER_RUN_KEYS)}; "
+                          f"({', '.join(PER_RUN_KEYS)}) are {runs}")
+    common = shared_settings(first)
     for cfg in cfgs[1:]:
-        other = OmegaConf.to_container(cfg, resolve=True)
-        other["trainer"]["seed"] = first.trainer.seed
+        other = shared_settings(cfg)
         if fingerprint(other) != fingerprint(common):
-            raise ConfigError(f"{PACK_KEY}: the runs of a pack may differ in trainer.seed only; "
+            raise ConfigError(f"{PACK_KEY}: the runs of a pack may differ in {' and '.join(PER_RUN_KEYS)} only; "
                               f"{differences(common, other)}")
     chosen = unpackable(first)
     if chosen:
@@ -258,6 +278,64 @@ def common_checkpoints(run_dirs: Sequence[Path]) -> list[tuple[Path, dict[str, A
     return None
 
 
+@dataclass
+class CompiledPack:
+    """The packed model, its compiled wrapper and its optimizer of the last pack this process
+    trained with ``trainer.compile``, and the settings they were built with."""
+
+    model: nn.Module
+    net: AmpCompileWrapper
+    optimizer: torch.optim.Optimizer
+    settings: Any
+
+
+_compiled: list[CompiledPack] = []  # at most one: a worker's graphs, kept for its next pack
+
+
+def packed_training(cfg: DictConfig, models: Sequence[nn.Module],
+                    device: torch.device) -> tuple[nn.Module, AmpCompileWrapper, torch.optim.Optimizer]:
+    """The packed model of ``models`` under the run's amp / channels_last / compile settings,
+    and its optimizer. Compiled, the last pack's objects are reused when this pack has the
+    same layers and settings: its runs' values are copied into them (:func:`load_packed`) and
+    the optimizer's state is zeroed in place and its learning rates set back, so the graphs
+    dynamo traced for them (forward, backward, optimizer step) serve again, with nothing
+    recompiled: rho and the runs' weights are tensors the graphs read, not constants. Such a
+    pack's first optimizer step is compiled, where a pack on new objects takes it eagerly (it
+    creates the optimizer's state): the two differ in the rounding of that step, as compiled
+    and eager steps do (docs/speed.md)."""
+    model = pack_models(models, str(cfg.trainer.get("pack_conv", GROUPED)))
+    settings = (OmegaConf.to_container(cfg.optim, resolve=True), str(cfg.trainer.get("amp")),
+                bool(cfg.trainer.get("channels_last")), str(device))
+    last = _compiled.pop() if _compiled else None
+    if cfg.trainer.compile and last is not None and last.settings == settings and same_layers(last.model, model):
+        load_packed(last.model, model)
+        restart_optimizer(last.optimizer)
+        _compiled.append(last)
+        return last.model, last.net, last.optimizer
+    net = AmpCompileWrapper.from_config(model, device, cfg.trainer)
+    optimizer = build_optimizer(model, cfg.optim)
+    if cfg.trainer.compile:
+        _compiled.append(CompiledPack(model, net, optimizer, settings))
+    return model, net, optimizer
+
+
+def restart_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer`` as it starts a run: its state zeroed in place (SGD's first step with a
+    zero momentum buffer and Adam's with zero moments and step compute what they compute
+    without state) and each group's learning rate set back to the one it was built with."""
+    with torch.no_grad():
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+    for group in optimizer.param_groups:
+        if "initial_lr" in group:
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(group["initial_lr"])
+            else:
+                group["lr"] = group["initial_lr"]
+
+
 def fit_pack(members: list[PackMember]) -> None:
     """Train the runs of ``members`` as one packed model, each writing its own outputs."""
     cfgs = [m.cfg for m in members]
@@ -270,9 +348,7 @@ def fit_pack(members: list[PackMember]) -> None:
     loaders = training_loaders(cfg, bundle, int(cfg.trainer.batch_size), [c.trainer.seed for c in cfgs], device,
                                one_process)
     models = seeded_models(members, bundle.spec, device)
-    model = pack_models(models)
-    net = AmpCompileWrapper.from_config(model, device, cfg.trainer)
-    optimizer = build_optimizer(model, cfg.optim)
+    model, net, optimizer = packed_training(cfg, models, device)
     steps_per_epoch = loaders[0].steps_per_epoch
     scheduler = build_schedule(optimizer, cfg.schedule, steps_per_epoch)
     state = TrainState(cfg, members[0].run_dir, device, model, optimizer, scheduler, steps_per_epoch,

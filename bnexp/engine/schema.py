@@ -25,6 +25,7 @@ from bnexp.engine.optim import OPTIMIZERS, SCHEDULES, UNITS, WARMUPS
 from bnexp.models.bnp_nets import PADDINGS
 from bnexp.nn.create_norm import JOINS, PLACEMENTS
 from bnexp.nn.family import ADAPTIVE, AMAT_UPDATES
+from bnexp.nn.packed import PACK_CONVS
 from bnexp.support.errors import ConfigError, unknown_choice
 
 # numpy seeds its generator with 32 bits (trainer.seed, and each rank's or pack member's
@@ -180,7 +181,8 @@ class TrainerKeys(TypedDict, total=False):
     batch_size: Count
     nproc: Count
     dist_timeout: Positive
-    pack: Count
+    pack: Union[Count, Literal["auto"]]
+    pack_conv: choice(PACK_CONVS)
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)]
     device: choice(DEVICES)
     eval_every: Positive

@@ -31,11 +31,11 @@ Coefficient = Union[float, Tensor]
 class _ScaledNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, var: Tensor, k: Coefficient,
-                q: Coefficient, rho: float, eps: float, decouple: bool) -> Tensor:
+                q: Coefficient, rho: Coefficient, eps: float, decouple: bool) -> Tensor:
         shift = -k * mean + (bias if decouple else 0.0)  # z = x + shift
         z_mean = mean + shift
         s = (var + z_mean.square() + eps).sqrt()
-        divisor = rho * q * s
+        divisor = (rho if isinstance(q, float) and q == 1.0 else rho * q) * s  # rho * q exactly rho when q is 1
         a = weight / divisor
         b = a * shift + (0.0 if decouple else bias)
         # A constant k (1 or 0) stays a Python number: no tensor made per layer and step.
@@ -62,11 +62,12 @@ class _ScaledNorm(torch.autograd.Function):
 
 
 def scaled_norm(x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, var: Tensor, k: Coefficient,
-                q: Coefficient, rho: float, eps: float, decouple: bool) -> Tensor:
+                q: Coefficient, rho: Coefficient, eps: float, decouple: bool) -> Tensor:
     """``gamma / rho * z / (q * s)`` (``+ beta`` when coupled) with the closed-form backward.
 
     ``mean`` and ``var`` are the batch statistics of ``x`` (biased variance), passed in
     detached: the backward accounts for their dependence on ``x`` itself. ``k`` and ``q``
-    are numbers, or per-channel tensors (AMAT's ratios); neither receives a gradient.
+    are numbers, or per-channel tensors (AMAT's ratios); neither receives a gradient, nor does
+    ``rho`` (a number, or one per channel: a pack's runs may each have their own).
     """
     return _ScaledNorm.apply(x, weight, bias, mean.detach(), var.detach(), k, q, rho, eps, decouple)

@@ -49,7 +49,15 @@ class NormFamily(ChannelNorm):
     batch statistics; ``"after_forward"`` is Algorithm 1 as printed (earlier batches only).
     ``amat_r_max`` clips ``r_mu = mu_A / mu_B`` into ``[-r_max, r_max]``: 3 by default, bnexp's
     departure from the paper's unclipped ratio (``None``); ignored without AMAT.
+
+    The forward divides by ``rho_channels``, a per-channel buffer (not state: it is not in
+    the state_dict) filled with ``rho`` in float64, so that any rho is exact in a float64
+    model. A pack of runs with other rho (:mod:`bnexp.models.packing`) holds each run's rho in
+    its run's channels, and a compiled graph reads rho as an input instead of a constant.
+    The attributes of :data:`PER_RUN` may differ between the runs of a pack for that reason.
     """
+
+    PER_RUN = ("rho",)  # plain attributes a pack may hold per run (the forward reads rho_channels)
 
     def __init__(
         self,
@@ -87,7 +95,9 @@ class NormFamily(ChannelNorm):
         self.center = center
         self.scale = scale
         self.decouple = decouple
-        self.rho = float(rho)
+        self.rho = float(rho)  # as given (a pack's first run's); the forward reads rho_channels
+        self.register_buffer("rho_channels", torch.full((num_features,), float(rho), dtype=torch.float64),
+                             persistent=False)
         self.amat = amat
         self.momentum = momentum
         self.amat_eta = amat_eta
@@ -151,7 +161,7 @@ class NormFamily(ChannelNorm):
                 var, mean = self.batch_var_mean(x)
             self._track(mean, var, n)
             k = 1.0 if self.center else 0.0
-            return scaled_norm(x, self.weight, self.bias, mean, var, k, 1.0, self.rho, self.eps, self.decouple)
+            return scaled_norm(x, self.weight, self.bias, mean, var, k, 1.0, self._rho(), self.eps, self.decouple)
         wide = widen(x)
         var, mean = self.batch_var_mean(wide)
         self._track(mean, var, n)
@@ -180,9 +190,13 @@ class NormFamily(ChannelNorm):
         second = var if resid is None else var + resid.square()
         return (second + self._variance_eps()).sqrt()
 
+    def _rho(self) -> Tensor:
+        """rho per channel in the parameters' dtype (what a Python number would be rounded to)."""
+        return self.rho_channels.to(self.weight.dtype)
+
     def _output(self, x: Tensor, t: Optional[Tensor], sigma: Optional[Tensor]) -> Tensor:
         """``gamma / rho * (x + t) / sigma`` plus ``beta`` after the division when coupled."""
-        a = self.weight / self.rho if sigma is None else self.weight / (sigma * self.rho)
+        a = self.weight / self._rho() if sigma is None else self.weight / (sigma * self._rho())
         b = None if t is None else a * t
         if not self.decouple:
             b = self.bias if b is None else b + self.bias
@@ -217,7 +231,8 @@ class NormFamily(ChannelNorm):
             with torch.no_grad():
                 var, mean = self.batch_var_mean(x)
                 r_mu, _, r_sigma = self._amat_step(mean, var)
-            return scaled_norm(x, self.weight, self.bias, mean, var, r_mu, r_sigma, self.rho, self.eps, self.decouple)
+            return scaled_norm(x, self.weight, self.bias, mean, var, r_mu, r_sigma, self._rho(), self.eps,
+                               self.decouple)
         wide = widen(x)
         var, mean = self.batch_var_mean(wide)
         r_mu, sigma, r_sigma = self._amat_step(mean, var)
@@ -359,6 +374,17 @@ def batch_norm(family: type[nn.Module], torch_bn: type[nn.modules.batchnorm._Bat
         return family(num_features, **options)
 
     return make
+
+
+def as_norm_family(bn: nn.modules.batchnorm._BatchNorm) -> NormFamily:
+    """The family member with BN's flags that computes what torch's BatchNorm ``bn`` computes,
+    holding its weights and statistics (in its dtype, on its device, in its mode): the form a
+    pack gives a BN layer whose other runs have another rho (:mod:`bnexp.models.packing`)."""
+    family = NormFamily2d if isinstance(bn, nn.BatchNorm2d) else NormFamily1d
+    out = family(bn.num_features, eps=bn.eps, momentum=bn.momentum)
+    out.to(device=bn.weight.device, dtype=bn.weight.dtype).train(bn.training)
+    out.load_state_dict(bn.state_dict())
+    return out
 
 
 register_norm("batchnorm", batch_norm(NormFamily1d, nn.BatchNorm1d), batch_norm(NormFamily2d, nn.BatchNorm2d),

@@ -185,10 +185,13 @@ def bnp_reducer(means: Sequence[Tensor], variances: Sequence[Tensor]) -> tuple[l
 
 
 def average_buffers(model: nn.Module) -> None:
-    """Average every floating-point buffer (running and AMAT statistics) over the processes."""
+    """Average every floating-point buffer that is state (running and AMAT statistics) over
+    the processes; the buffers left out of the state_dict are settings every process holds
+    alike (rho per channel, AMAT's eta of the step), which averaging could only round."""
     if world_size() == 1:
         return
-    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    names = {name for name, _ in model.named_buffers()}
+    buffers = [b for name, b in model.state_dict(keep_vars=True).items() if name in names and b.is_floating_point()]
     if not buffers:
         return
     flat = torch.cat([b.detach().reshape(-1).double() for b in buffers])

@@ -49,13 +49,19 @@ class RunLocked(BnexpError):
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: exists and, where /proc says, is not a zombie (a killed
+    process its parent has not reaped yet: a launcher's worker, say, which writes nothing more)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # it exists, under another user
         return True
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
 
 
 def _share(fd: int) -> None:
