@@ -21,7 +21,8 @@ from bnexp.support.options import exit_on_error
 from bnexp.support.runinfo import configure_backends
 
 SUBCOMMANDS = ("norms", "step", "data", "run", "pack", "imagenet", "graph", "table_cost")
-ACCEPTS_OVERRIDES = ("step", "data", "run", "pack", "graph", "table_cost")  # subcommands whose other key=value args are Hydra overrides
+# subcommands whose other key=value args are Hydra overrides
+ACCEPTS_OVERRIDES = ("step", "data", "run", "pack", "graph", "table_cost")
 
 
 def subcommand(name: str) -> ModuleType:

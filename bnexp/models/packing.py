@@ -148,7 +148,10 @@ def pack_models(models: Sequence[nn.Module], conv: str = GROUPED) -> nn.Module:
 def same_layers(a: nn.Module, b: nn.Module) -> bool:
     """Whether two (packed) models have the same layers, settings (but ``PER_RUN``), and
     tensors of the same shapes and dtypes: one can take the other's values (:func:`load_packed`)."""
-    tensors = [dict([*m.named_parameters(), *m.named_buffers()]) for m in (a, b)]
+    # tensors shared between layers count in each (a trained model's adaptive-AMAT layers read
+    # one eta tensor, a new model's each their own)
+    tensors = [dict([*m.named_parameters(remove_duplicate=False), *m.named_buffers(remove_duplicate=False)])
+               for m in (a, b)]
     return first_difference([a, b]) is None and tensors[0].keys() == tensors[1].keys() and all(
         t.shape == tensors[1][k].shape and t.dtype == tensors[1][k].dtype for k, t in tensors[0].items())
 
