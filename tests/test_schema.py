@@ -8,20 +8,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
+import numpy as np
 import pytest
+import torch
 
 from bnexp.app.cmdline import group_options
 from bnexp.engine.config import resolved, validate
 from bnexp.engine.identity import fingerprint
+from bnexp.engine.optim import build_schedule
 from bnexp.engine.schema import TrainKeys, without_null
+from bnexp.engine.trainer import CheckpointClock
+from bnexp.support.errors import ConfigError
 from tests.conftest import TINY, compose_cfg, run_cli
+from tests.test_data_sets import npz_arrays
 
 # (overrides, what the one line must name). Each was accepted, or refused by torch mid-run
 # with exit code 1, after the run's folder, lock and train.log were made.
 BAD_VALUES = [
     # accepted without a word
     ("data.augment=no", "data.augment='no' is not valid: data.augment must be true or false"),
-    ("schedule.warmup=-1", "schedule.warmup=-1 is not valid: schedule.warmup must be a number >= 0"),
+    ("schedule.warmup=-1", "schedule.warmup=-1 is not valid: schedule.warmup must be a number in [0, 1000000000]"),
     ("norm.momentum=2", "norm.momentum=2 is not valid: norm.momentum must be a number in [0, 1]"),
     ("norm.momentum=-0.5", "norm.momentum=-0.5 is not valid"),
     ("data.noise=nan", "data.noise=nan is not valid: data.noise must be a number >= 0"),
@@ -37,9 +43,40 @@ BAD_VALUES = [
     ("optim.nesterov=true optim.momentum=0", "optim.nesterov=true needs optim.momentum > 0"),
     ("schedule.warmup=1 schedule.warmup_factor=-0.1", "schedule.warmup_factor=-0.1 is not valid: "
                                                       "schedule.warmup_factor must be a number in [0, 1]"),
-    ("data.padding=-1", "data.padding=-1 is not valid: data.padding must be an integer >= 0"),
-    ("data.eval_batch_size=0", "data.eval_batch_size=0 is not valid: data.eval_batch_size must be an integer >= 1"),
-    ("data.num_workers=-1", "data.num_workers=-1 is not valid: data.num_workers must be an integer >= 0"),
+    ("data.padding=-1", "data.padding=-1 is not valid: data.padding must be an integer in [0, 1024]"),
+    ("data.eval_batch_size=0", "data.eval_batch_size=0 is not valid: data.eval_batch_size must be an integer in [1, 1048576]"),
+    ("data.num_workers=-1", "data.num_workers=-1 is not valid: data.num_workers must be an integer in [0, 1024]"),
+    # accepted, then failing, hanging or running out of memory mid-run (issue 39): upper bounds, with their reason
+    ("trainer.epochs=1e308", "trainer.epochs=1e+308 is not valid: trainer.epochs must be a number in [0, 1000000000] "
+                             "(10**9 steps"),
+    ("schedule.milestones=[1e308]", "schedule.milestones=[1e+308] is not valid: schedule.milestones must be a list of "
+                                    "numbers in [0, 1000000000]"),
+    ("schedule.warmup=1e308", "schedule.warmup=1e+308 is not valid"),
+    ("trainer.eval_every=1e308", "trainer.eval_every=1e+308 is not valid: trainer.eval_every must be a number in "
+                                 "(0, 1000000000]"),
+    ("data.image_size=100000", "data.image_size=100000 is not valid: data.image_size must be an integer in [1, 1024] "
+                               "(ImageNet's protocols crop 224 pixels"),
+    ("data.train_size=1000000000", "data.train_size=1000000000 is not valid: data.train_size must be an integer in "
+                                   "[1, 16777216]"),
+    ("data.channels=100000", "data.channels=100000 is not valid: data.channels must be an integer in [1, 64]"),
+    ("data.num_classes=100000000", "data.num_classes=100000000 is not valid: data.num_classes must be an integer in "
+                                   "[1, 131072] (or null)"),
+    ("data.padding=100000", "data.padding=100000 is not valid: data.padding must be an integer in [0, 1024]"),
+    ("trainer.dist_timeout=1e300", "trainer.dist_timeout=1e+300 is not valid: trainer.dist_timeout must be a number in "
+                                   "(0, 604800] (a week outlasts any job's time limit)"),
+    ("data.train_size=16000000", "data=synthetic with data.train_size=16000000, data.test_size=32, data.channels=3 and "
+                                 "data.image_size=8 holds 3072006144 bytes of images, more than 1073741824"),
+    # ended "completed" without a step, or never checkpointed (4 steps per epoch): the smallest valid value
+    ("trainer.epochs=0 trainer.max_steps=null", "trainer.epochs=0 is not valid: it rounds to no step; the smallest "
+                                                "valid value is 0.25 (epochs of 4 steps: one step)"),
+    ("trainer.epochs=1e-9 trainer.max_steps=null", "trainer.epochs=1e-09 is not valid: it rounds to no step"),
+    ("trainer.checkpoint_every=0.1 trainer.checkpoint_unit=epoch",
+     "trainer.checkpoint_every=0.1 is not valid: it rounds to no step; the smallest valid value is 0.25 (epochs of 4 "
+     "steps: one step), or 0 to turn it off"),
+    # decayed the lr twice at step 2
+    ("schedule.milestones=[2,2]", "schedule.milestones=[2, 2] is not valid: schedule.milestones must be in strictly "
+                                  "increasing order"),
+    ("schedule.milestones=[1,1.1]", "schedule.milestones=[1, 1.1] is not valid: they fall on the steps [4, 4]"),
     # a page of OmegaConf's traceback
     ("optim.lr=${nope.nope}", "optim.lr=${nope.nope} cannot be resolved: Interpolation key 'nope.nope' not found"),
     ("hydra.run.dir=${nope.nope}", "hydra.run.dir cannot be resolved: Interpolation key 'nope.nope' not found"),
@@ -61,6 +98,24 @@ def test_bad_value_is_one_line_before_anything_is_written(tmp_path: Path, monkey
                                                           expected: str) -> None:
     monkeypatch.chdir(tmp_path)  # the default run directory: results/runs/<overrides>
     code, out = run_cli(["train", *TINY, "norm=bn", *overrides.split()], capsys)
+    assert_refused_before_writing(code, out, expected, tmp_path)
+
+
+# EfficientNet's multipliers (model.depth_mult=1e5 was still building the model after 4 minutes)
+MULTIPLIERS = [
+    ("model.width_mult=1e5", "model.width_mult=100000.0 is not valid: model.width_mult must be a number in (0, 8.0] "
+                             "(or null) (EfficientNet-B7, the largest of the family"),
+    ("model.depth_mult=1e5", "model.depth_mult=100000.0 is not valid"),
+]
+
+
+@pytest.mark.parametrize(("override", "expected"), MULTIPLIERS, ids=[o for o, _ in MULTIPLIERS])
+def test_model_multipliers_are_bounded_before_anything_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str], override: str,
+                                                                 expected: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    tiny = [o for o in TINY if not o.startswith("model.")]
+    code, out = run_cli(["train", *tiny, "model=efficientnet_b0", override], capsys)
     assert_refused_before_writing(code, out, expected, tmp_path)
 
 
@@ -144,3 +199,34 @@ def test_schema_types_every_key_of_the_shipped_configs(choice: str) -> None:
     """A key added to a config file gets its type in bnexp/engine/schema.py (unnamed keys would pass
     unchecked)."""
     assert untyped(resolved(compose_cfg([choice]))) == []
+
+
+def test_an_interval_that_rounds_to_no_step_checkpoints_every_step_not_never() -> None:
+    """The clock itself (trainer.checkpoint_every=0.1 epochs at 4 steps an epoch rounded to 0
+    steps: no periodic checkpoint ever, so a SIGKILL lost the run); validate refuses the value first."""
+    clock = CheckpointClock(0.1, "epoch", steps_per_epoch=4, check_every=1)
+    assert [clock.due(step) for step in (1, 2, 3)] == [True, True, True]
+    assert not CheckpointClock(0, "epoch", steps_per_epoch=4, check_every=1).due(1)  # 0 turns them off
+
+
+def test_a_schedule_never_decays_twice_on_one_step() -> None:
+    """schedule.milestones=[2,2] (or epochs that round to one step) decayed the lr 0.1 -> 0.001 at step 2."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ConfigError, match=r"schedule.milestones=\[2, 2\] is not valid: they fall on the steps \[2, 2\]"):
+        build_schedule(optimizer, {"name": "multistep", "unit": "step", "milestones": [2, 2]}, steps_per_epoch=4)
+    with pytest.raises(ConfigError, match=r"they fall on the steps \[4, 4\] \(4 per epoch\)"):
+        build_schedule(optimizer, {"name": "multistep", "unit": "epoch", "milestones": [1, 1.1]}, steps_per_epoch=4)
+
+
+def test_amounts_in_epochs_of_data_read_at_run_time_are_checked_once_it_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """An npz file's size is known once it is read: the same one line, exit 2, before any step."""
+    monkeypatch.chdir(tmp_path)
+    np.savez(tmp_path / "set.npz", **npz_arrays())  # 8 training images: 1 step of 16 an epoch
+    code, out = run_cli(["train", "data=npz", "data.path=set.npz", "model.width=4", "trainer.batch_size=8",
+                         "trainer.max_steps=4", "trainer.device=cpu", "trainer.checkpoint_every=0.4",
+                         "trainer.checkpoint_unit=epoch"], capsys)
+    assert code == 2 and out.splitlines()[-1] == ("bnexp: error: trainer.checkpoint_every=0.4 is not valid: it rounds "
+                                                  "to no step; the smallest valid value is 1 (epochs of 1 step: one "
+                                                  "step), or 0 to turn it off"), out
+    assert not list(tmp_path.rglob("step-*.pt"))

@@ -39,7 +39,7 @@ from bnexp.data.loaders import Loaders, build_seeded_loaders, drop_last
 from bnexp.engine import checkpoint
 from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import Callback, TrainState, ended_on_stop
-from bnexp.engine.config import validate
+from bnexp.engine.config import check_step_counts, validate
 from bnexp.engine.identity import fingerprint, run_differences
 from bnexp.engine.loggers import logger_callback
 from bnexp.engine.method_hooks import method_callbacks
@@ -573,7 +573,8 @@ class CheckpointClock:
 
     def __init__(self, every: float, unit: str, steps_per_epoch: int, check_every: int) -> None:
         self.seconds = 60.0 * every if unit == "minute" else None
-        self.steps = 0 if self.seconds is not None else to_steps(every, unit, steps_per_epoch)
+        # an interval that rounds to no step means every step, not never (validate refuses it first)
+        self.steps = 0 if self.seconds is not None or every == 0 else max(1, to_steps(every, unit, steps_per_epoch))
         self.check_every = check_every
         self.last = self.now()
 
@@ -626,6 +627,7 @@ def training_loaders(cfg: DictConfig, bundle: DataBundle, batch_size: int, seeds
     loaders = build_seeded_loaders(bundle, cfg.data, batch_size, seeds, device.type == "cuda", device, rank=d.rank,
                                    world_size=d.world_size, drop_last=drop_last(cfg.data, uses_batch_statistics(cfg.norm)))
     check_last_batch(cfg, loaders[0], batch_size, d)
+    check_step_counts(cfg, loaders[0].steps_per_epoch)  # checked before the run for data of a known size
     return loaders
 
 
