@@ -19,7 +19,7 @@ from bnexp.engine.optim import build_schedule
 from bnexp.engine.schema import TrainKeys, without_null
 from bnexp.engine.trainer import CheckpointClock
 from bnexp.support.errors import ConfigError
-from tests.conftest import TINY, compose_cfg, run_cli
+from tests.conftest import TINY, compose_cfg, read_summary, run_cli
 from tests.test_data_sets import npz_arrays
 
 # (overrides, what the one line must name). Each was accepted, or refused by torch mid-run
@@ -77,6 +77,17 @@ BAD_VALUES = [
     ("schedule.milestones=[2,2]", "schedule.milestones=[2, 2] is not valid: schedule.milestones must be in strictly "
                                   "increasing order"),
     ("schedule.milestones=[1,1.1]", "schedule.milestones=[1, 1.1] is not valid: they fall on the steps [4, 4]"),
+    # a number where a path belongs: Hydra reads it as an integer
+    ("trainer.init_from=2024", "trainer.init_from=2024 is not valid: trainer.init_from must be a string (or null); "
+                               "quote a number meant as a name or path: trainer.init_from='2024'"),
+    # a setting removed: 49 lines of traceback, or (~optim.lr) a run folder made, then a failure
+    *[(f"~{key}", f"~{key} removes a setting every run reads: give it a value instead ({key}=VALUE)")
+      for key in ("trainer.seed", "trainer.resume", "trainer.batch_size", "trainer.nproc", "data.name", "optim.lr")],
+    # an option Hydra does not know: its usage page, and an empty run folder left behind
+    ("--foo", "unknown option '--foo'; bnexp train takes -m (--multirun), --dry-run (with -m)"),
+    # a literal ${...} in the run's folder: Hydra resolved it again (an empty folder left, the run elsewhere)
+    ("hydra.run.dir=out/\\${x}", "hydra.run.dir names the folder out/${x}, which holds '${': Hydra would read it as "
+                                  "an interpolation again"),
     # a page of OmegaConf's traceback
     ("optim.lr=${nope.nope}", "optim.lr=${nope.nope} cannot be resolved: Interpolation key 'nope.nope' not found"),
     ("hydra.run.dir=${nope.nope}", "hydra.run.dir cannot be resolved: Interpolation key 'nope.nope' not found"),
@@ -126,6 +137,14 @@ BAD_SWEEPS = [
     ("trainer.seed=0,4294967296", "trainer.seed=4294967296 is not valid"),
     ("norm=bn,cbn norm.momentum=2", "norm.momentum=2 is not valid"),
     ("norm=bn,cbn norm.name=bn", "norm.name=bn does not match norm=cbn"),
+    # tracebacks: an empty sweep (StopIteration), an interval under bnexp's own sweeper (its message
+    # inside Hydra's traceback), a range listed in memory (MemoryError, even with --dry-run)
+    ("trainer.seed=range(0)", "trainer.seed=range(0) gives no value: a sweep needs at least one"),
+    ("optim.lr=interval(0.1,0.2)", "optim.lr=interval(0.1,0.2): bnexp's sweeper takes value lists and range(); an "
+                                   "interval search needs a search sweeper (hydra/sweeper=optuna)"),
+    ("trainer.seed=range(0,100000000) --dry-run", "the sweeps trainer.seed=range(0,100000000) make 100000000 jobs, more "
+                                                  "than 100000"),
+    ("trainer.seed=range(0,1000) optim.lr=range(1,102)", "make 101000 jobs, more than 100000"),
 ]
 
 
@@ -136,6 +155,20 @@ def test_bad_value_in_a_sweep_stops_it_before_anything_is_written(tmp_path: Path
     monkeypatch.chdir(tmp_path)  # the default sweep folder: results/multirun/<overrides>
     code, out = run_cli(["train", "-m", *TINY, *overrides.split()], capsys)
     assert_refused_before_writing(code, out, expected, tmp_path)
+
+
+def test_quoted_values_of_a_command_line_sweep_are_strings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Paths holding '=' or ',' are quoted (README), and a sweep over them was refused
+    (``trainer.resume={'text': 'never', ...} is not valid``): each quoted value is its text."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a=1.npz", "b,2.npz"):
+        np.savez(tmp_path / name, **npz_arrays())
+    code, out = run_cli(["train", "-m", "data=npz", 'data.path="a=1.npz","b,2.npz"', "model.width=4", "norm=gn",
+                         "trainer.batch_size=4", "trainer.max_steps=2", "trainer.device=cpu"], capsys)
+    assert code == 0 and "sweep finished: 2 cells: 2 completed" in out, out
+    paths = sorted(read_summary(p.parent)["config"]["data"]["path"] for p in tmp_path.rglob("summary.json"))
+    assert paths == ["a=1.npz", "b,2.npz"]
 
 
 def test_bad_group_option_in_a_preset_sweep_stops_it_before_its_first_cell(tmp_path: Path,

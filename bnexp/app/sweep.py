@@ -61,9 +61,14 @@ def parse_values(lines: Sequence[str], parser: OverridesParser) -> Values:
         elif override.is_discrete_sweep():
             found[key] = list(override.sweep_string_iterator())
         else:
-            raise ConfigError(f"{override.input_line}: bnexp's sweeper takes value lists and range(); an interval "
-                              "search needs a search sweeper (hydra/sweeper=optuna)")
+            raise interval_refused(override)
     return found
+
+
+def interval_refused(override: Override) -> ConfigError:
+    """The error for an interval sweep given to bnexp's sweeper."""
+    return ConfigError(f"{override.input_line}: bnexp's sweeper takes value lists and range(); an interval search "
+                       "needs a search sweeper (hydra/sweeper=optuna)")
 
 
 def _bare(key: str) -> str:

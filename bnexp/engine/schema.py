@@ -296,7 +296,10 @@ def schema_error(loc: tuple, values: Mapping[str, Any], too_large: bool = False)
     if options:
         return unknown_choice(key, value, options)
     why = bound_reason(kind) if too_large else ""
-    return ConfigError(f"{key}={value!r} is not valid: {key} must be {rule(kind)}" + (f" ({why})" if why else ""))
+    text = f"{key}={value!r} is not valid: {key} must be {rule(kind)}" + (f" ({why})" if why else "")
+    if without_null(kind) is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        text += f"; quote a number meant as a name or path: {key}='{value}'"  # Hydra reads 2024 as an integer
+    return ConfigError(text)
 
 
 def bound_reason(kind: Any) -> str:
