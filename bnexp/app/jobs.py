@@ -183,12 +183,12 @@ def pack_jobs(job: Job, pack: int) -> list[Job]:
     first = int(job.cfg.trainer.seed)
     given = [o for o in job.hydra_cfg.overrides.task if override_key(o) != "trainer.pack"]
     rest = [o for o in given if override_key(o) != "trainer.seed"]
-    named = job.run_dir.name == run_name(given)  # the default hydra.run.dir
+    named = job.run_dir.name == run_name(given, str(job.run_dir.parent))  # the default hydra.run.dir
     jobs = []
     for seed in range(first, first + pack):
         overrides = [*rest, f"trainer.seed={seed}"] if seed != first or len(rest) < len(given) else rest
         if named:
-            run_dir = job.run_dir.parent / run_name(overrides)
+            run_dir = job.run_dir.parent / run_name(overrides, str(job.run_dir.parent))
         else:
             run_dir = job.run_dir if seed == first else job.run_dir.with_name(f"{job.run_dir.name}-seed{seed}")
         cfg = with_value(with_value(job.cfg, "trainer.seed", seed), "trainer.pack", 1)

@@ -30,7 +30,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from bnexp.app.compose import is_group
-from bnexp.data.files import identity_problem
+from bnexp.data.files import RECORDS, identity_problem
 from bnexp.engine.checkpoint import FINAL, read_config, resume_candidates, verified_bytes
 from bnexp.engine.config import lr_not_applicable
 from bnexp.engine.identity import cell_name, differences, fingerprint, override_key, run_differences
@@ -182,7 +182,7 @@ def skip_reason(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     finished = status in FINISHED
     if not finished and (str(cfg.trainer.resume) != "auto" or not resume_candidates(run_dir)):
         return None  # nothing to skip or to resume from
-    change = run_differences(summary.get("config") or {}, cfg, summary.get("data_files"))
+    change = run_differences(summary.get("config") or {}, cfg, summary)
     if change:
         what = f"a run {status}" if finished else f"an unfinished run ({status}) to resume"
         raise OtherRunThere(f"{run_dir} holds {what} with other settings ({change}); "
@@ -209,9 +209,10 @@ def stored_result(path: Path) -> dict[str, Any]:
         value = summary.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
             raise ConfigError(f"damaged summary.json {path}: its {key} is a JSON {type(value).__name__}, not {what}")
-    problem = identity_problem(summary.get("data_files"))
-    if problem:
-        raise ConfigError(f"damaged summary.json {path}: its data_files {problem}")
+    for key in RECORDS:
+        problem = identity_problem(summary.get(key))
+        if problem:
+            raise ConfigError(f"damaged summary.json {path}: its {key} {problem}")
     return summary
 
 
@@ -277,7 +278,7 @@ def describe_jobs(jobs: Sequence[Job], sweep_dir: Path) -> str:
     """A sweep's jobs, one line each: the run directory, its status if it has run, the overrides."""
     lines = [f"{len(jobs)} jobs in {sweep_dir}:"]
     for job in jobs:
-        run_dir = sweep_dir / cell_name(job)
+        run_dir = sweep_dir / cell_name(job, str(sweep_dir))
         status = job_status(run_dir)[0] if (run_dir / "summary.json").is_file() else "to run"
         lines.append(f"  {run_dir}  [{status}]  {' '.join(job)}")
     return "\n".join(lines)

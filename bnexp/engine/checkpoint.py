@@ -216,9 +216,14 @@ def finished_run(run_dir: Path, command: str) -> tuple[DictConfig, dict[str, Any
     return cfg, payload
 
 
+def weights_file(path: Path) -> Path:
+    """The checkpoint file ``path`` names: itself, or a run directory's final checkpoint."""
+    return path / FINAL if path.is_dir() else path
+
+
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
     """The model weights of a checkpoint file or of a run directory's final checkpoint."""
-    file = path / FINAL if path.is_dir() else path
+    file = weights_file(path)
     if not file.is_file():
         raise ConfigError(f"{path}: no checkpoint there (a checkpoint file, or a run directory holding {FINAL})")
     return load_given(file)["model"]

@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from bnexp.data import DataBundle, build_data, data_identity
+from bnexp.data.files import DataFile, identify
 from bnexp.data.loaders import Loaders, build_seeded_loaders, drop_last
 from bnexp.engine import checkpoint
 from bnexp.engine.amp_compile import AmpCompileWrapper
@@ -379,7 +380,7 @@ class Trainer:
                 "metrics": m.metrics.rows,
                 "callbacks": {callback_key(j, cb): st for j, (cb, st) in enumerate(zip(hooks, hook_states))},
                 "seconds": self.seconds(), "config": OmegaConf.to_container(m.cfg, resolve=True),
-                "data_files": m.summary.get("data_files", {}),
+                "data_files": m.summary.get("data_files", {}), "init_weights": m.summary.get("init_weights", {}),
             })
         return out
 
@@ -419,7 +420,7 @@ class Trainer:
         for m, (path, payload) in zip(self.members, found):
             if m.status != "running":
                 continue
-            change = run_differences(payload.get("config", {}), m.cfg, payload.get("data_files"))
+            change = run_differences(payload.get("config", {}), m.cfg, payload)
             if change:
                 if mode == "auto":
                     raise OtherRunThere(f"{path} was written by a run with other settings ({change}): run with "
@@ -589,9 +590,11 @@ class CheckpointClock:
         self.last = self.now()
 
 
-def init_weights(model: nn.Module, source: Path) -> None:
+def init_weights(model: nn.Module, source: Path) -> dict[str, dict[str, Any]]:
     """``trainer.init_from``: the weights of a checkpoint (file or run directory) into ``model``,
-    every key and shape matching; a ConfigError naming the differences otherwise."""
+    every key and shape matching; a ConfigError naming the differences otherwise. Returns what
+    identifies the file's content (:func:`bnexp.data.files.identify`: its sha256), which a
+    re-run compares as it compares the data files."""
     weights = checkpoint.load_weights(source)
     try:
         model.load_state_dict(weights)
@@ -599,6 +602,7 @@ def init_weights(model: nn.Module, source: Path) -> None:
         first = str(err).splitlines()[1:3]
         raise ConfigError(f"trainer.init_from={source}: its weights do not fit this model (same model, norm, "
                           f"placement and classes needed): {' '.join(s.strip() for s in first)}") from err
+    return identify([DataFile(checkpoint.weights_file(source))], verified=False)
 
 
 def check_batch_size(cfg: DictConfig, bundle: DataBundle, batch_size: int, d: Dist) -> None:
@@ -654,7 +658,7 @@ def fit(member: Member, extra_callbacks: list[Callback]) -> None:
     (loaders,) = training_loaders(cfg, bundle, batch_size, [cfg.trainer.seed], device, d)
     model = build_model(cfg.model, cfg.norm, cfg.act.name, bundle.spec).to(device)
     if cfg.trainer.get("init_from"):
-        init_weights(model, Path(cfg.trainer.init_from))
+        summary["init_weights"] = init_weights(model, Path(cfg.trainer.init_from))  # compared by a re-run
         summary["init_from"] = str(cfg.trainer.init_from)
     if d.enabled:  # same initial weights everywhere, then each process its own random stream
         seed_everything(cfg.trainer.seed + d.rank, cfg.trainer.deterministic)
