@@ -31,8 +31,7 @@ from bnexp.support import runlock
 from bnexp.support.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_PREEMPTED, ConfigError
 from bnexp.support.runlock import LOCK_NAME
 from tests import warm
-from tests.conftest import (QUICK_PRESET, TINY, compose_cfg, copy_runs, read_metrics, read_summary, run_cli, run_dir_of,
-                            write_cifar10)
+from tests.conftest import QUICK_PRESET, TINY, compose_cfg, copy_runs, read_metrics, read_summary, run_cli, run_dir_of, write_cifar10
 from tests.test_resilience import CrashAt, assert_same_run, cli_command, run_inprocess, wait_for_checkpoint
 
 STEPS = ["trainer.checkpoint_every=2", "trainer.checkpoint_unit=step"]
