@@ -10,7 +10,6 @@ preemption stop a sweep too, after its report.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -36,7 +35,7 @@ from bnexp.engine.trainer import train
 from bnexp.support.distributed import from_environment
 from bnexp.support.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, ConfigError
 from bnexp.support.options import print_error, print_warning
-from bnexp.support.runinfo import storage_error
+from bnexp.support.runinfo import read_run_json, storage_error
 from bnexp.support.runlock import HELD_ENV, RunLock, RunLocked
 
 log = logging.getLogger("bnexp")
@@ -87,10 +86,10 @@ def result_value(status: str, summary: Mapping[str, Any]) -> float:
 
 
 def stored_summary(run_dir: Path) -> dict[str, Any]:
-    """A run directory's summary.json, empty when it has none."""
+    """A run directory's summary.json, empty when it has none (or none that reads)."""
     try:
-        return json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
+        return read_run_json(run_dir / "summary.json")
+    except ConfigError:
         return {}
 
 

@@ -17,6 +17,7 @@ import torch
 from torchvision.datasets.utils import check_integrity
 
 from bnexp.support.errors import DataError, DataUnavailable
+from bnexp.support.untrusted import DATA_FILE, open_regular
 
 T = TypeVar("T")
 
@@ -25,6 +26,9 @@ OFFLINE_HINT = (
     "or set data.download=true to fetch it; data=synthetic runs offline without any files."
 )
 REDOWNLOAD_HINT = "Delete it and re-download, or set data.verify=false to read it anyway."
+# A data file read into memory whole: CIFAR's batches and MNIST's idx files (the largest of
+# their releases is 158 MB).
+WHOLE_FILE = 2**31
 
 
 class DataFile(NamedTuple):
@@ -106,7 +110,7 @@ def file_digest(path: str, size: int, mtime_ns: int, algorithm: str) -> str:
     """The hex digest of a file's bytes; cached per (path, size, modification time), so a
     sweep's cells that read one file hash it once."""
     digest = hashlib.new(algorithm)
-    with open(path, "rb") as f:
+    with open_regular(path, DATA_FILE) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()

@@ -31,6 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 from bnexp.engine.identity import differences, fingerprint
 from bnexp.support.errors import ConfigError
 from bnexp.support.runinfo import atomic_write
+from bnexp.support.untrusted import CHECKPOINT_FILE, RECORD_FILE, SMALL_FILE, UnsafeFile, read_regular, text_stream
 
 log = logging.getLogger("bnexp.engine.checkpoint")
 
@@ -138,11 +139,13 @@ def verified_bytes(path: Path, require_checksum: bool = True) -> bytes:
     """A checkpoint's bytes, checked against its digest file; ValueError if they differ, or
     if the digest file is missing and ``require_checksum`` (else a warning)."""
     try:
-        data = path.read_bytes()
+        data = read_regular(path, CHECKPOINT_FILE)
     except OSError as err:
         raise ValueError(f"unreadable checkpoint {path}: {err}") from err
     try:
-        expected = checksum_path(path).read_bytes().split()[0].decode("ascii", "backslashreplace")
+        expected = read_regular(checksum_path(path), SMALL_FILE).split()[0].decode("ascii", "backslashreplace")
+    except UnsafeFile as err:
+        raise ValueError(f"damaged checkpoint {path}: its checksum file: {err}") from None
     except (OSError, IndexError):
         if require_checksum:
             raise ValueError(f"damaged checkpoint {path}: its checksum file {checksum_path(path).name} is missing")
@@ -191,7 +194,7 @@ def read_config(path: Path) -> DictConfig:
     """A run's ``config.yaml``, resolved; a ConfigError naming the file if it cannot be read,
     does not parse, or is not a mapping of settings."""
     try:
-        cfg = OmegaConf.create(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+        cfg = OmegaConf.create(OmegaConf.to_container(OmegaConf.load(text_stream(path, RECORD_FILE)), resolve=True))
     except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException) as err:
         raise ConfigError(f"damaged run config {path}: {type(err).__name__}: {' '.join(str(err).split())}") from None
     if not isinstance(cfg, DictConfig) or not all(key in cfg for key in RUN_SECTIONS):
