@@ -588,6 +588,24 @@ def test_each_adhoc_sweep_has_its_own_folder(tmp_path: Path, monkeypatch: pytest
     assert code == 0 and "2 cells: 0 completed, 0 diverged, 0 failed, 2 skipped" in out
 
 
+def test_sigterm_during_set_up_is_a_preemption(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while the run read its data killed it (exit 143, no summary): it is a preemption
+    before training, with nothing to checkpoint (status preempted, exit 75, one line), and the
+    same command then trains the run."""
+    done = warm.run([*HOOKED, "sigterm-in-setup", "train", *TINY], cwd=tmp_path)
+    assert done.returncode == EXIT_PREEMPTED, done.stderr[-3000:]
+    run = only_run(tmp_path)
+    assert [line for line in done.stderr.splitlines() if line.startswith("bnexp:")] == [
+        f"bnexp: error: stopped by SIGTERM before training started (nothing to checkpoint yet); re-run the same "
+        f"command to resume {run}"], done.stderr[-3000:]
+    summary = read_summary(run)
+    assert summary["status"] == "preempted" and not list(run.rglob("*.pt")) and not (run / LOCK_NAME).exists()
+    monkeypatch.chdir(tmp_path)
+    code, out = run_cli(["train", *TINY], capsys)
+    assert code == 0 and read_summary(run)["status"] == "completed", out
+
+
 @pytest.mark.slow
 def test_sigterm_while_the_final_checkpoint_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:

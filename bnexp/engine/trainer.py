@@ -45,7 +45,7 @@ from bnexp.engine.identity import fingerprint, run_differences
 from bnexp.engine.loggers import logger_callback
 from bnexp.engine.method_hooks import method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule, to_steps
-from bnexp.engine.preemption import Preempted, PreemptionGuard
+from bnexp.engine.preemption import Preempted, PreemptionGuard, StopAtOnce
 from bnexp.engine.schema import RESUME_MODES
 from bnexp.models import build_model, count_parameters
 from bnexp.models.packing import pack_inputs, per_run
@@ -681,8 +681,12 @@ def outcome_recorded(members: Sequence[Member]) -> Iterator[None]:
     summary.json, with the wall time."""
     started = time.perf_counter()
     try:
-        yield
-    except Preempted:
+        with StopAtOnce():  # a signal before the training loop takes over stops the set-up
+            yield
+    except Preempted as err:
+        for m in members:
+            if m.summary.get("status") == "failed":  # stopped before training: no checkpoint set it
+                m.summary.update(status=err.status, error=str(err))
         raise
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started: no checkpoint
         for m in members:
