@@ -51,8 +51,8 @@ class UnsafeCheckpoint(ConfigError):
     def __init__(self, path: Path, needs: str) -> None:
         super().__init__(f"refused checkpoint {path}: unpickling it needs {needs}, not only the tensors and plain "
                          "containers bnexp loads (torch.load(weights_only=True), never code from a file); if it is "
-                         "a trusted checkpoint of an older bnexp, convert it once with the command in "
-                         "docs/resilience.md (\"Checkpoints of older versions\")")
+                         "a checkpoint of an older bnexp, convert it once with scripts/convert_checkpoints.py as "
+                         "docs/resilience.md (\"Checkpoints of older versions\") says")
 
 
 def checksum_path(path: Path) -> Path:
