@@ -27,6 +27,7 @@ from bnexp.support.untrusted import UnsafeFile, read_regular
 from tests import warm
 from tests.conftest import TINY, run_cli, write_cifar10
 from tests.test_bad_data import cifar_cfg
+from tests.test_data_sets import imagenet_cfg, write_image_folders
 
 HANG = 120  # seconds after which a command counts as hung (its answer takes a few)
 
@@ -167,3 +168,15 @@ def test_an_empty_protocol_2_batch_is_read(tmp_path: Path) -> None:
     (folder / "data_batch_5").write_bytes(pickle.dumps({"data": np.zeros((0, 3072), np.uint8), "labels": []},
                                                        protocol=2))
     assert len(build_data(cifar_cfg(tmp_path)).train) == 4 * 20
+
+
+def test_an_image_that_is_a_fifo_is_unreadable_not_a_hang(tmp_path: Path) -> None:
+    """torchvision's image loader opened a FIFO among ImageNet's images and waited forever: it is
+    an unreadable image (data.bad_images=fail stops naming it; skip serves the next one)."""
+    write_image_folders(tmp_path)
+    first = sorted((tmp_path / "train").rglob("*.JPEG"))[0]
+    first.unlink()
+    os.mkfifo(first)
+    with pytest.raises(DataError, match=re.escape(f"unreadable image {first}: UnsafeFile: {first} is a FIFO")):
+        build_data(imagenet_cfg(tmp_path)).train[0]
+    assert build_data(imagenet_cfg(tmp_path, bad_images="skip")).train[0][1] == 0

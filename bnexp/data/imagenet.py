@@ -43,6 +43,7 @@ from torchvision.datasets.imagenet import ARCHIVE_META
 from torchvision.transforms import v2
 
 from bnexp.support.errors import ConfigError, DataError, DataUnavailable, unknown_choice
+from bnexp.support.untrusted import open_regular
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -52,6 +53,7 @@ SPLITS = ("train", "val")
 ARCHIVES = tuple(name for name, _ in ARCHIVE_META.values())
 BAD_IMAGES = ("fail", "skip")
 LISTED = 5  # unreadable images named in one message
+MAX_IMAGE_FILE = 2**28  # bytes of one image file: ImageNet's largest JPEG is 15 MB
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +83,7 @@ class CheckedImages(Dataset):
                 continue
             path, target = self.samples[i]
             try:
-                image = self.images.loader(path)
+                image = read_image(path)
             except Exception as err:
                 why = f"unreadable image {path}: {type(err).__name__}: {err}"
                 if not self.skip:
@@ -94,10 +96,17 @@ class CheckedImages(Dataset):
         raise DataError(f"no image under {self.images.root} is readable (data.bad_images=skip)")
 
 
+def read_image(path: str) -> Image.Image:
+    """An image file as RGB, as torchvision's loader reads it, if it is a regular file of an
+    image's size (torchvision's loader waits forever on a FIFO)."""
+    with open_regular(path, MAX_IMAGE_FILE) as f, Image.open(f) as image:
+        return image.convert("RGB")
+
+
 def _header_problem(path: str) -> Optional[str]:
     """Why PIL cannot open the image at ``path`` (its header, not its pixels), or None."""
     try:
-        with Image.open(path) as image:
+        with open_regular(path, MAX_IMAGE_FILE) as f, Image.open(f) as image:
             image.verify()
     except Exception as err:
         return f"{type(err).__name__}: {err}"
