@@ -87,8 +87,9 @@ def known_steps_per_epoch(cfg: DictConfig) -> int | None:
     if images is None:
         return None
     batch = split_batch(cfg.trainer.batch_size, Dist(world_size=cfg.trainer.nproc))
-    return epoch_steps(images, batch, cfg.trainer.nproc, str(cfg.data.get("sampling", "with_replacement")),
-                       drop_last(cfg.data, uses_batch_statistics(cfg.norm)))
+    steps = epoch_steps(images, batch, cfg.trainer.nproc, str(cfg.data.get("sampling", "with_replacement")),
+                        drop_last(cfg.data, uses_batch_statistics(cfg.norm)))
+    return steps or None  # none: a batch larger than the data, which the run's batch check names
 
 
 def step_amounts(cfg: DictConfig) -> list[tuple[str, float, str, bool]]:

@@ -121,8 +121,8 @@ def found_name(folder: Path, name: str, overrides: list[str], leave_out: tuple[s
 
 
 def _without_location(name: str) -> str:
-    """A name of :func:`legacy_run_name` without its ``data.root=...`` part."""
-    return ",".join(part for part in name.split(",") if not part.startswith("data.root=")) or "defaults"
+    """A name of :func:`legacy_run_name` without its ``data.root=...`` part (:data:`LOCATION_KEYS`)."""
+    return ",".join(part for part in name.split(",") if part.partition("=")[0] not in LOCATION_KEYS) or "defaults"
 
 
 def cell_name(overrides: Iterable[str], folder: str | None = None) -> str:
