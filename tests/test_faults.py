@@ -241,6 +241,7 @@ def test_replaced_starting_weights_are_another_run(tmp_path: Path, monkeypatch: 
     command = ["train", *TINY, "trainer.init_from=w.pt"]
     assert run_cli(command, capsys)[0] == 0
     recorded = read_summary(only_run(tmp_path))["init_weights"]
+    assert checkpoint.load(only_run(tmp_path) / checkpoint.FINAL)["init_weights"] == recorded
     assert recorded == {"w.pt": {"size": (tmp_path / "w.pt").stat().st_size,
                                  "mtime_ns": (tmp_path / "w.pt").stat().st_mtime_ns,
                                  "sha256": hashlib.sha256((tmp_path / "w.pt").read_bytes()).hexdigest()}}

@@ -380,8 +380,10 @@ class Trainer:
                 "metrics": m.metrics.rows,
                 "callbacks": {callback_key(j, cb): st for j, (cb, st) in enumerate(zip(hooks, hook_states))},
                 "seconds": self.seconds(), "config": OmegaConf.to_container(m.cfg, resolve=True),
-                "data_files": m.summary.get("data_files", {}), "init_weights": m.summary.get("init_weights", {}),
+                "data_files": m.summary.get("data_files", {}),
             })
+            if "init_weights" in m.summary:  # a run started from trainer.init_from
+                out[-1]["init_weights"] = m.summary["init_weights"]
         return out
 
     def restore(self, payloads: list[dict[str, Any]]) -> None:
