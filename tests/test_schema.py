@@ -132,6 +132,11 @@ BAD_SWEEPS = [
     ("trainer.seed=range(0,100000000) --dry-run", "the sweeps trainer.seed=range(0,100000000) make 100000000 jobs, more "
                                                   "than 100000"),
     ("trainer.seed=range(0,1000) optim.lr=range(1,102)", "make 101000 jobs, more than 100000"),
+    # the same in a sweep of the sweeper's config (a preset's, or given as here): a traceback, or "0 cells"
+    ("hydra.sweeper.sweeps=[{optim.lr:'interval(0.1,0.2)'}]", "optim.lr=interval(0.1,0.2): bnexp's sweeper takes value "
+                                                             "lists and range()"),
+    ("hydra.sweeper.sweeps=[{trainer.seed:'range(0)'}]", "the sweeps [{'trainer.seed': 'range(0)'}] make no job: each "
+                                                        "key of a sweep needs at least one value"),
 ]
 
 
