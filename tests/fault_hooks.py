@@ -11,6 +11,7 @@ Usage: python tests/fault_hooks.py HOOK[:STEP] BNEXP_ARGS...
   in tests/test_packing.py).
 - ``nan-then-sigkill:STEP``: the same, then SIGKILL once the last run's periodic checkpoint
   of step STEP is on disk.
+- ``sigterm-in-setup``: SIGTERM to this process as the run starts reading its data set.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bnexp.cli import main  # noqa: E402
-from bnexp.engine import checkpoint  # noqa: E402
+from bnexp.engine import checkpoint, trainer  # noqa: E402
 from bnexp.engine.pack import PackMember  # noqa: E402
 
 
@@ -87,11 +88,23 @@ def nan_then_sigkill(step: int) -> None:
     checkpoint.save_with_checksum = save_then_kill
 
 
+def sigterm_in_setup() -> None:
+    """SIGTERM to this process as the run starts reading its data set (before training)."""
+    build = trainer.build_data
+
+    def signal_then_build(cfg: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return build(cfg)
+
+    trainer.build_data = signal_then_build
+
+
 if __name__ == "__main__":
     hook, _, arg = sys.argv[1].partition(":")
     {"sigterm-in-final-save": lambda: signal_in_final_save(signal.SIGTERM),
      "sigkill-in-final-save": lambda: signal_in_final_save(signal.SIGKILL),
      "sigkill-after-final-save": sigkill_after_final_save,
      "nan": nan_in_run_1,
-     "nan-then-sigkill": lambda: nan_then_sigkill(int(arg))}[hook]()
+     "nan-then-sigkill": lambda: nan_then_sigkill(int(arg)),
+     "sigterm-in-setup": sigterm_in_setup}[hook]()
     main(sys.argv[2:])

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import run_cli
+
 ROOT = Path(__file__).resolve().parents[1]
 
 NORM_MODULE = '''
@@ -126,3 +128,38 @@ def test_an_unimportable_plugin_is_one_line(tmp_path: Path) -> None:
     done = bnexp(["train", "model=mlp3x100", *TINY], env, tmp_path)
     assert done.returncode == 2 and "BNEXP_PLUGINS=no_such_plugin_module: cannot import 'no_such_plugin_module'" \
         in done.stderr and "Traceback" not in done.stderr
+
+
+# Plugins that fail as they are imported: each was a traceback (or, for a name another module
+# took, a ValueError from the registry). (module text, the line it fails at, what the one line then says)
+BROKEN_PLUGINS = {
+    "syntax": ("def f(:\n", 1, "SyntaxError: invalid syntax"),
+    "raises": ("raise RuntimeError('no GPU driver')\n", 1, "RuntimeError: no GPU driver"),
+    "path_name": ("from torch import nn\nfrom bnexp.nn.create_norm import register_norm\n"
+                  "register_norm('../evil', nn.BatchNorm1d, nn.BatchNorm2d, ('eps',))\n", 3,
+                  "ConfigError: norm layer name '../evil' is not valid: use letters, digits and _"),
+    "norm_taken": ("from torch import nn\nfrom bnexp.nn.create_norm import register_norm\n"
+                   "register_norm('batchnorm', nn.BatchNorm1d, nn.BatchNorm2d, ('eps',))\n", 3,
+                   "ConfigError: norm layer 'batchnorm' is registered already (by bnexp or another plugin)"),
+    "model_taken": ("from bnexp.models.registry import register_model\n\n@register_model('resnet20')\n"
+                    "def build(b, data, cfg):\n    return None\n", 3,
+                    "ConfigError: model 'resnet20' is registered already (by bnexp or another plugin)"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_PLUGINS)
+def test_a_plugin_that_fails_as_it_is_imported_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str], case: str) -> None:
+    """Run in this process: the import fails before anything registers, so the registries stay
+    as bnexp ships them."""
+    text, line, says = BROKEN_PLUGINS[case]
+    module = f"broken_{case}"
+    (tmp_path / f"{module}.py").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("BNEXP_PLUGINS", module)
+    monkeypatch.chdir(tmp_path)
+    code, out = run_cli(["train", "model=mlp3x100", *TINY], capsys)
+    assert code == 2 and out.count("\n") == 1, out
+    assert out.startswith(f"bnexp: error: BNEXP_PLUGINS={module}: the plugin '{module}' failed as it was imported "
+                          f"({tmp_path / module}.py, line {line}): {says}"), out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{module}.py"]

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,7 +31,7 @@ from bnexp.support import runlock
 from bnexp.support.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_PREEMPTED, ConfigError
 from bnexp.support.runlock import LOCK_NAME
 from tests import warm
-from tests.conftest import QUICK_PRESET, TINY, compose_cfg, copy_runs, read_metrics, read_summary, run_cli, run_dir_of
+from tests.conftest import QUICK_PRESET, TINY, compose_cfg, copy_runs, read_metrics, read_summary, run_cli, run_dir_of, write_cifar10
 from tests.test_resilience import CrashAt, assert_same_run, cli_command, run_inprocess, wait_for_checkpoint
 
 STEPS = ["trainer.checkpoint_every=2", "trainer.checkpoint_unit=step"]
@@ -89,6 +90,7 @@ def test_same_settings_rerun_is_skipped(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 NPZ = [*(o for o in TINY if not o.startswith("data")), "data=npz", "data.path=d.npz"]
+NPZ_NAME = "data=npz,model.width=4,trainer.batch_size=16,trainer.max_steps=4"  # its run name, data.path aside
 
 
 def write_npz(path: Path, classes: int) -> None:
@@ -141,12 +143,113 @@ def test_fingerprint_and_directory_name_follow_the_result_settings() -> None:
     assert fingerprint(compose_cfg([*TINY, "optim.lr=1"])) == fingerprint(compose_cfg([*TINY, "optim.lr=1.0"]))
     for other in ("trainer.max_steps=5", "optim.lr=0.2", "data.noise=0.5", "trainer.amp=bf16", "data.num_workers=2"):
         assert fingerprint(compose_cfg([*TINY, other])) != fingerprint(base), other
-    assert fingerprint(compose_cfg(["data.root=/a"])) != fingerprint(compose_cfg(["data.root=/b"]))
-    assert run_name(["norm=cbn", "data.root=/data/cifar", *same]) == "data.root=_data_cifar,norm=cbn"
-    assert run_name(["experiment=cbn/table1", "scale=quick"]) == "experiment=cbn_table1,scale=quick"
+    # where the data set lies is not a setting of the result (the data files' digests say what it holds)
+    assert fingerprint(compose_cfg(["data.root=/a"])) == fingerprint(compose_cfg(["data.root=/b"])) \
+        == fingerprint(compose_cfg([]))
+    assert run_name(["norm=cbn", "data.root=/data/cifar", *same]) == "norm=cbn"
+    assert run_name(["experiment=cbn/table1", "scale=quick"]) == "experiment=cbn%2Ftable1,scale=quick"
+    assert run_name(["data.path=a/b.npz"]) != run_name(["data.path=a_b.npz"]) != run_name(["data.path=a%2Fb.npz"])
     assert cell_name(["experiment=cbn/table1", "scale=quick", "act=tanh"]) == "act=tanh"  # in the preset's folder
     long = run_name([f"tags.x={'a' * 300}", "optim.lr=" + "1" * 300])
-    assert len(long) <= 200 and long.startswith("optim.lr=111")
+    assert len(long) == 255 and long.startswith("optim.lr=111")
+    cjk = run_name(["data.path=" + "数" * 90])  # 270 bytes: cut at 255 bytes, on a character's boundary
+    assert len(cjk.encode()) <= 255 and cjk.startswith("data.path=数数") and cjk != run_name(["data.path=" + "数" * 91])
+
+
+RECORDED = Path(__file__).parent / "data" / "runs_before_issue39"  # its README.md says how it was made
+RECORDED_RUN = "data.root=c10,data=cifar10,model.width=4,trainer.batch_size=4,trainer.max_steps=2"
+RECORDED_COMMAND = ["train", "data=cifar10", "data.verify=false", "model.width=4", "trainer.batch_size=4",
+                    "trainer.max_steps=2", "trainer.device=cpu"]
+
+
+def test_runs_recorded_before_data_root_left_their_identity_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A run bnexp recorded before 2026-11-28, in a directory named with its data.root and with
+    data.root in its fingerprint: its command finds it completed in that directory, also with the
+    data set moved elsewhere; a data file changed there is another run."""
+    shutil.copytree(RECORDED, tmp_path, dirs_exist_ok=True)
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "results" / "runs"
+    recorded = read_summary(runs / RECORDED_RUN)
+    assert fingerprint(recorded["config"]) == fingerprint(compose_cfg([*RECORDED_COMMAND[1:], "data.root=c10"]))
+    for root in ("c10", "moved/c10b"):
+        if root != "c10":
+            (tmp_path / "moved").mkdir()
+            (tmp_path / "c10").rename(tmp_path / root)
+        code, out = run_cli([*RECORDED_COMMAND, f"data.root={root}"], capsys)
+        assert code == 0 and "skipped: already completed" in out, out
+        assert [p.name for p in runs.iterdir()] == [RECORDED_RUN]
+    write_cifar10(tmp_path / "other", per_batch=2, test=4, seed=1)
+    batch = Path("moved/c10b/cifar-10-batches-py/data_batch_1")
+    batch.write_bytes((tmp_path / "other" / "cifar-10-batches-py" / "data_batch_1").read_bytes())
+    code, out = run_cli([*RECORDED_COMMAND, "data.root=moved/c10b"], capsys)
+    assert code == EXIT_CONFIG and f"other settings (data file {batch}: 6326 bytes, sha256 " in out, out
+
+
+def test_a_run_is_found_after_its_data_set_moves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """data.root is left out of the run's name and fingerprint: the same command with the data set
+    moved skips the finished run (the data files' digests match), with a changed file it refuses."""
+    monkeypatch.chdir(tmp_path)
+    write_cifar10(tmp_path / "a", per_batch=2, test=4)
+    assert run_cli([*RECORDED_COMMAND, "data.root=a"], capsys)[0] == 0
+    (tmp_path / "a").rename(tmp_path / "b")
+    code, out = run_cli([*RECORDED_COMMAND, "data.root=b"], capsys)
+    assert code == 0 and "skipped: already completed" in out, out
+    assert len(list((tmp_path / "results" / "runs").iterdir())) == 1
+    (tmp_path / "b" / "cifar-10-batches-py" / "test_batch").write_bytes(b"other")
+    code, out = run_cli([*RECORDED_COMMAND, "data.root=b"], capsys)
+    assert code == EXIT_CONFIG and "data file b/cifar-10-batches-py/test_batch: 12474 bytes" in out, out
+
+
+def test_data_paths_that_differ_in_a_slash_have_their_own_run_directories(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """data.path=a/d.npz and data.path=a_d.npz were both named data.path=a_d.npz: the second was
+    refused as another run in the first one's folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a").mkdir()
+    for path in ("a/d.npz", "a_d.npz"):
+        write_npz(tmp_path / path, classes=10)
+        code, out = run_cli(["train", *NPZ[:-1], f"data.path={path}"], capsys)
+        assert code == 0, out
+    assert sorted(p.name for p in (tmp_path / "results" / "runs").iterdir()) == [
+        f"data.path=a%2Fd.npz,{NPZ_NAME}", f"data.path=a_d.npz,{NPZ_NAME}"]
+
+
+def test_a_long_name_of_wide_characters_is_cut_to_255_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Names were cut at 200 characters, so 80 CJK characters (240 bytes) and the other overrides
+    made a run folder name longer than the file system takes."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / ("数" * 40) / ("据" * 40 + ".npz")
+    path.parent.mkdir()
+    write_npz(path, classes=10)
+    code, out = run_cli(["train", *NPZ[:-1], f"data.path='{path.relative_to(tmp_path)}'"], capsys)
+    assert code == 0, out
+    assert len(only_run(tmp_path).name.encode()) == 255
+
+
+def test_replaced_starting_weights_are_another_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """trainer.init_from recorded only the path: with the file replaced, the same command said
+    "already completed". Its digest is recorded (init_weights) and compared as the data files' are."""
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(["train", *TINY, "hydra.run.dir=w0"], capsys)[0] == 0
+    weights = (tmp_path / "w0" / "checkpoint.pt").read_bytes()
+    (tmp_path / "w.pt").write_bytes(weights)
+    command = ["train", *TINY, "trainer.init_from=w.pt"]
+    assert run_cli(command, capsys)[0] == 0
+    recorded = read_summary(only_run(tmp_path))["init_weights"]
+    assert checkpoint.load(only_run(tmp_path) / checkpoint.FINAL)["init_weights"] == recorded
+    assert recorded == {"w.pt": {"size": (tmp_path / "w.pt").stat().st_size,
+                                 "mtime_ns": (tmp_path / "w.pt").stat().st_mtime_ns,
+                                 "sha256": hashlib.sha256((tmp_path / "w.pt").read_bytes()).hexdigest()}}
+    code, out = run_cli(command, capsys)
+    assert code == 0 and "skipped: already completed" in out, out
+    (tmp_path / "w.pt").write_bytes(weights + b"other")
+    code, out = run_cli(command, capsys)
+    assert code == EXIT_CONFIG and f"other settings (starting weights file w.pt: {len(weights)} bytes, sha256 " in out
 
 
 @pytest.mark.parametrize("overrides", [[], ["model=vgg16", "norm=cbn"], ["norm=bnp", "model=resnet110"], ["norm=none"]])
@@ -484,6 +587,24 @@ def test_each_adhoc_sweep_has_its_own_folder(tmp_path: Path, monkeypatch: pytest
         assert (tmp_path / "results" / "multirun" / folder / "multirun.yaml").is_file()
     code, out = run_cli(first, capsys)  # the same command finds its folder again
     assert code == 0 and "2 cells: 0 completed, 0 diverged, 0 failed, 2 skipped" in out
+
+
+def test_sigterm_during_set_up_is_a_preemption(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while the run read its data killed it (exit 143, no summary): it is a preemption
+    before training, with nothing to checkpoint (status preempted, exit 75, one line), and the
+    same command then trains the run."""
+    done = warm.run([*HOOKED, "sigterm-in-setup", "train", *TINY], cwd=tmp_path)
+    assert done.returncode == EXIT_PREEMPTED, done.stderr[-3000:]
+    run = only_run(tmp_path)
+    assert [line for line in done.stderr.splitlines() if line.startswith("bnexp:")] == [
+        f"bnexp: error: stopped by SIGTERM before training started (nothing to checkpoint yet); re-run the same "
+        f"command to resume {run}"], done.stderr[-3000:]
+    summary = read_summary(run)
+    assert summary["status"] == "preempted" and not list(run.rglob("*.pt")) and not (run / LOCK_NAME).exists()
+    monkeypatch.chdir(tmp_path)
+    code, out = run_cli(["train", *TINY], capsys)
+    assert code == 0 and read_summary(run)["status"] == "completed", out
 
 
 @pytest.mark.slow

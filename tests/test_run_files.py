@@ -137,9 +137,16 @@ def test_no_bnexp_code_unpickles_in_full() -> None:
 
 
 def conversion_command() -> str:
-    """The shell command docs/resilience.md gives to convert a trusted older checkpoint."""
+    """The shell command docs/resilience.md gives to convert an older checkpoint."""
     section = DOCS.read_text().split("### Checkpoints of older versions", 1)[1]
     return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+
+
+def convert(*paths: Path) -> subprocess.CompletedProcess:
+    """The documented conversion command on ``paths``, run from the checkout (where ``scripts/`` is)."""
+    command = conversion_command().replace("RUN/checkpoint.pt", " ".join(str(p.absolute()) for p in paths))
+    return subprocess.run(["bash", "-c", command.replace("python ", f"{sys.executable} ", 1)], capture_output=True,
+                          text=True, cwd=DOCS.parents[1])
 
 
 def test_older_checkpoint_is_refused_then_converted_by_the_documented_command(
@@ -152,10 +159,10 @@ def test_older_checkpoint_is_refused_then_converted_by_the_documented_command(
     rewrite(run / checkpoint.FINAL, {}, old_format=True)
     code, out = run_cli(["eval", str(run)], capsys)
     assert code == EXIT_CONFIG and "unpickling it needs numpy" in out and not (run / "eval.json").exists()
-    command = conversion_command().replace("RUN/checkpoint.pt", str(run / checkpoint.FINAL))
-    done = subprocess.run(["bash", "-c", command.replace("python ", f"{sys.executable} ", 1)], capture_output=True,
-                          text=True)
-    assert done.returncode == 0 and done.stdout == f"converted {run / checkpoint.FINAL}\n", done.stderr
+    done = convert(run / checkpoint.FINAL)
+    assert done.returncode == 0 and done.stdout == (f"converted: {(run / checkpoint.FINAL).absolute()} (its numpy random "
+                                                    "state, read with numpy's array globals allowed; nothing else)\n"), \
+        done.stdout + done.stderr
     payload = checkpoint.load(run / checkpoint.FINAL)  # weights_only=True, checksum verified
     np.random.seed(0)
     checkpoint.restore_rng(payload["rng"][0])
@@ -164,6 +171,29 @@ def test_older_checkpoint_is_refused_then_converted_by_the_documented_command(
     assert code == 0, out
     again = json.loads((run / "eval.json").read_text())["synthetic/test"]
     assert (again["test_loss"], again["test_acc"]) == (expected["test_loss"], expected["test_acc"])
+
+
+def test_the_conversion_leaves_today_s_files_alone_and_never_launders_a_hostile_one(run: Path, tmp_path: Path) -> None:
+    """The documented conversion unpickled every file in full: a file already in today's format
+    was rewritten, and a hostile one ran its code, was written again clean and got a fresh
+    .sha256 ("converted"). Today's file is left as it is, a hostile or damaged one refused."""
+    final = run / checkpoint.FINAL
+    hostile, damaged = final.with_name("hostile.pt"), final.with_name("damaged.pt")
+    shutil.copy(final, damaged)
+    shutil.copy(checkpoint.checksum_path(final), checkpoint.checksum_path(damaged))
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b"x")
+    marker = tmp_path / "marker"
+    checkpoint.save_with_checksum({**torch.load(final, weights_only=True), "rng": RunsCode(marker)}, hostile)
+    before = files_of(run)
+    done = convert(final, hostile, damaged)
+    assert done.returncode == 1 and not marker.exists(), done.stdout + done.stderr
+    assert files_of(run) == before  # not one byte changed, no checksum written
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"left as it is: {final.absolute()} (already today's format)"
+    assert lines[1] == (f"refused: {hostile.absolute()} (not converted, left as it is): unpickling it needs exec, "
+                        "more than a checkpoint of an older bnexp holds")
+    assert lines[2] == (f"refused: {damaged.absolute()} (not converted, left as it is): ValueError: it does not match "
+                        "damaged.pt.sha256 (damaged, or changed since)")
 
 
 def test_eval_of_a_damaged_checkpoint_is_one_line(run: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -132,11 +132,11 @@ def test_offline_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         ("norm=gn norm.groups=3", "norm.groups=3 does not divide the 4 channels of a normalized layer of "
                                   "model=resnet20: norm.groups must divide the channels of every normalized layer "
                                   "(the input images excepted); valid here: 1, 2, 4"),
-        ("norm=gn norm.groups=0", "norm.groups=0 is not valid: norm.groups must be an integer >= 1"),
+        ("norm=gn norm.groups=0", "norm.groups=0 is not valid: norm.groups must be an integer in [1, 65536]"),
         ("schedule.milestones=abc", "schedule.milestones='abc' is not valid: schedule.milestones must be a list"),
-        ("schedule.milestones=[100,60]", "in increasing order"),
+        ("schedule.milestones=[100,60]", "in strictly increasing order"),
         ("model.width=0", "model.width=0 is not valid: model.width must be an integer in [1, 65536]"),
-        ("trainer.dist_timeout=0", "trainer.dist_timeout=0 is not valid: trainer.dist_timeout must be a number > 0"),
+        ("trainer.dist_timeout=0", "trainer.dist_timeout=0 is not valid: trainer.dist_timeout must be a number in (0, 604800]"),
         ("trainer.resume=nevr", "trainer.resume='nevr' is not valid: use auto (continue from the newest checkpoint "
                                 "in the run directory), never (start over), or the path of a checkpoint file"),
         ("+trainer.epoch=3", "unknown key 'trainer.epoch' (bnexp would ignore it; only tags.* may be added with +); "
@@ -158,7 +158,7 @@ def test_offline_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         ("norm=bn_4things norm.groups=3", "norm.groups=3 does not divide the 4 channels of a normalized layer of "
                                           "model=resnet20"),
         ("norm=bn_4things norm.ghost_batch=0", "norm.ghost_batch=0 is not valid: norm.ghost_batch must be an integer "
-                                               ">= 1 (or null)"),
+                                               "in [1, 1048576] (or null)"),
         ("norm=bn_4things norm.alpha=2", "norm.alpha=2 is not valid: norm.alpha must be a number in [0, 1]"),
         ("norm=bn_4things trainer.batch_size=1", "or bn_4things with norm.groups set"),
     ],

@@ -50,13 +50,13 @@ def start_list(sweep_dir: Path) -> None:
 def place(sweep_dir: Path, run_dir: Path, task: Sequence[str], listing: bool) -> Path:
     """Where one cell trains: its run directory (``hydra.run.dir``) for a listing sweep,
     else the folder named after its overrides inside the sweep folder."""
-    return run_dir if listing else sweep_dir / cell_name(task)
+    return run_dir if listing else sweep_dir / cell_name(task, str(sweep_dir))
 
 
 def cell_dir(sweep_dir: str, run_dir: str, task: Sequence[str]) -> str:
     """``hydra.sweep.subdir`` of a job, which Hydra joins to ``hydra.sweep.dir``: the
     absolute run directory for a listing sweep, else the cell's name (:func:`place`)."""
-    return str(Path(run_dir).absolute()) if lists_cells(Path(sweep_dir)) else cell_name([str(o) for o in task])
+    return str(Path(run_dir).absolute()) if lists_cells(Path(sweep_dir)) else cell_name([str(o) for o in task], sweep_dir)
 
 
 def note_cell(sweep_dir: Path, home: Path) -> None:

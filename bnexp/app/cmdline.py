@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -21,13 +22,14 @@ from typing import Any, Optional, Sequence
 
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.types import Override
+from hydra.core.override_parser.types import Override, RangeSweep
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from bnexp.app.compose import config_dir, group_options, hydra_session, is_group, parser
 from bnexp.app.jobs import pack_misplaced
+from bnexp.app.sweep import interval_refused
 from bnexp.engine.config import meaningless, validate
 from bnexp.support.errors import ConfigError
 
@@ -38,6 +40,12 @@ HYDRA_ONLY_FLAGS = ("-h", "--help", "--hydra-help", "--version", "--info", "-i",
                     "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun")
 ADDABLE = ("tags.", "hydra.")  # keys a command line may add with +key=value
 DRY_RUN = "hydra.sweeper.dry_run=true"  # what `bnexp train -m --dry-run` passes to bnexp's sweeper
+# Every flag of Hydra's command line (hydra._internal.utils.get_args_parser) and bnexp's own.
+FLAGS = (*VALUE_FLAGS, *HYDRA_ONLY_FLAGS, "-m", "--multirun", "-r", "--run", "--resolve", "--dry-run")
+# Jobs one command line may sweep: 70 times CBN Table 1's 1,350 runs; each job is a run folder,
+# and every value is checked before the first one starts.
+MAX_JOBS = 100_000
+BNEXP_SWEEPER = "hydra_plugins.bnexp_sweeper.BnexpSweeper"
 
 
 def overrides_of(args: Sequence[str]) -> Optional[list[str]]:
@@ -56,8 +64,63 @@ def overrides_of(args: Sequence[str]) -> Optional[list[str]]:
     return found
 
 
+def check_flags(args: Sequence[str]) -> None:
+    """A flag that neither Hydra nor bnexp knows is one line (Hydra's own answer is its usage
+    page), before anything is written."""
+    for arg in args:
+        if arg.startswith("-") and arg.split("=", 1)[0] not in FLAGS:
+            raise ConfigError(f"unknown option {arg!r}; bnexp train takes -m (--multirun), --dry-run (with -m), "
+                              "--cfg job, --info, --help and Hydra's other flags (bnexp train --help), then "
+                              "key=value overrides")
+
+
 def one_value(o: Override, value: str) -> str:
     return f"{o.get_key_element()}={value}"
+
+
+def sweep_length(o: Override) -> int:
+    """How many values a discrete sweep gives, without listing them (a range of 10**8 seeds)."""
+    sweep = o.value()
+    if isinstance(sweep, RangeSweep):
+        return max(0, math.ceil((sweep.stop - sweep.start) / sweep.step))
+    return len(sweep.list)
+
+
+def check_sweep_sizes(parsed: Sequence[Override]) -> None:
+    """Each discrete sweep gives at least one value, and all of them together at most
+    :data:`MAX_JOBS` jobs."""
+    jobs = 1
+    for o in parsed:
+        if not (o.is_sweep_override() and o.is_discrete_sweep()):
+            continue
+        length = sweep_length(o)
+        if length == 0:
+            raise ConfigError(f"{o.input_line} gives no value: a sweep needs at least one (range(a,b) counts from a "
+                              "up to b-1)")
+        jobs *= length
+    if jobs > MAX_JOBS:
+        raise ConfigError(f"the sweeps {' '.join(o.input_line for o in parsed if o.is_sweep_override())} make {jobs} "
+                          f"jobs, more than {MAX_JOBS} (each one a run folder, its values checked first): sweep fewer "
+                          "values, or split the sweep")
+
+
+def check_deletions(parsed: Sequence[Override]) -> None:
+    """``~key`` of a setting (not a group choice, a tag or a Hydra key): every run reads its
+    settings, so removing one fails the run (a traceback, or a run folder made first)."""
+    for o in parsed:
+        key = o.key_or_group
+        if o.is_delete() and not is_group(o) and key != "tags" and not key.startswith(ADDABLE):
+            raise ConfigError(f"{o.input_line} removes a setting every run reads: give it a value instead "
+                              f"({key}=VALUE)")
+
+
+def check_search(parsed: Sequence[Override], cfg: DictConfig) -> None:
+    """An interval sweep needs a search sweeper: bnexp's own (the default) names it in one line."""
+    if OmegaConf.select(cfg, "hydra.sweeper._target_") != BNEXP_SWEEPER:
+        return
+    for o in parsed:
+        if o.is_sweep_override() and not o.is_discrete_sweep():
+            raise interval_refused(o)
 
 
 def variants(parsed: Sequence[Override]) -> list[list[str]]:
@@ -154,7 +217,10 @@ _ABSENT: Any = object()
 
 
 def ensure_writable(folder: Path, key: str) -> None:
-    """Create ``folder`` and a file in it, or raise a ConfigError naming it and ``key``."""
+    """Create ``folder`` and a file in it, or raise a ConfigError naming it and ``key``; the
+    folders made for the test are removed again (the run makes them when it starts), so a
+    command that stops before then leaves nothing."""
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
@@ -162,6 +228,12 @@ def ensure_writable(folder: Path, key: str) -> None:
     except OSError as err:
         raise ConfigError(f"cannot write to the output folder {folder} ({type(err).__name__}: {err.strerror or err}): "
                           f"choose another with {key}=PATH") from None
+    finally:
+        for path in made:  # deepest first
+            try:
+                path.rmdir()
+            except OSError:  # another process has put something there meanwhile
+                break
 
 
 def bind(cfg: DictConfig, task: list[str]) -> None:
@@ -181,6 +253,9 @@ def check_output(cfg: DictConfig, task: list[str], multirun: bool) -> None:
         folder = OmegaConf.select(cfg, key)
     except OmegaConfBaseException as err:  # ${nope.nope}, or the key naming itself
         raise ConfigError(f"{key} cannot be resolved: {str(err).splitlines()[0]}") from None
+    if "${" in str(folder):  # Hydra stores the folder as a config value, which resolves it again
+        raise ConfigError(f"{key} names the folder {folder}, which holds '${{': Hydra would read it as an "
+                          f"interpolation again and run elsewhere: choose a folder without '${{' ({key}=PATH)")
     ensure_writable(Path(os.path.expanduser(str(folder))), key)
 
 
@@ -198,7 +273,7 @@ def swept_values(parsed: Sequence[Override]) -> list[tuple[str, Any]]:
     """(key, value) for each value but the first of the command line's value sweeps
     (``optim.lr=0.1,-1``: ``-1``); each composed config holds the first. Interval sweeps (a
     search sweeper's) are left out: their values are drawn as the search goes."""
-    return [(o.key_or_group, value) for o in parsed
+    return [(o.key_or_group, Override._convert_value(value)) for o in parsed  # a quoted string as its text
             if o.is_sweep_override() and o.is_discrete_sweep() and not is_group(o)
             and not o.key_or_group.startswith("hydra.") for value in list(o.sweep_iterator())[1:]]
 
@@ -226,6 +301,7 @@ def check_command_line(args: Sequence[str]) -> None:
     option, group or key, an unknown ``+key``, a sweep without ``-m``, an unparsable override,
     a value that is not valid (in each job of a sweep) or an output folder that cannot be
     written."""
+    check_flags(args)
     multirun = any(a in ("-m", "--multirun") for a in args)
     shown = [a for a in args if a.split("=", 1)[0] in ("--cfg", "-c", "--info", "-i")]
     if multirun and shown:
@@ -243,9 +319,12 @@ def check_command_line(args: Sequence[str]) -> None:
         if sweeps and not multirun:
             raise ConfigError(f"{sweeps[0].input_line} gives several values: add -m to run one job per value, "
                               "or write key=[a,b] for a list value")
+        check_sweep_sizes(parsed)
+        check_deletions(parsed)
         lists = variants(parsed)
         composed = [compose_or_explain(overrides_, parsed) for overrides_ in lists]
         check_additions(parsed, lists[0])
+        check_search(parsed, composed[0])
         if any(a in VALUE_FLAGS[:2] for a in args):  # --cfg / -c print a config and write nothing
             return
         task = [o.input_line for o in parsed if not o.key_or_group.startswith(("hydra.", "hydra/"))]

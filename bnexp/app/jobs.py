@@ -10,7 +10,6 @@ preemption stop a sweep too, after its report.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -37,7 +36,7 @@ from bnexp.engine.trainer import train
 from bnexp.support.distributed import from_environment
 from bnexp.support.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, ConfigError
 from bnexp.support.options import print_error, print_warning
-from bnexp.support.runinfo import storage_error
+from bnexp.support.runinfo import read_run_json, storage_error
 from bnexp.support.runlock import HELD_ENV, RunLock, RunLocked
 
 log = logging.getLogger("bnexp")
@@ -88,10 +87,10 @@ def result_value(status: str, summary: Mapping[str, Any]) -> float:
 
 
 def stored_summary(run_dir: Path) -> dict[str, Any]:
-    """A run directory's summary.json, empty when it has none."""
+    """A run directory's summary.json, empty when it has none (or none that reads)."""
     try:
-        return json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
+        return read_run_json(run_dir / "summary.json")
+    except ConfigError:
         return {}
 
 
@@ -200,12 +199,12 @@ def pack_jobs(job: Job, pack: int) -> list[Job]:
     first = int(job.cfg.trainer.seed)
     given = [o for o in job.hydra_cfg.overrides.task if override_key(o) != "trainer.pack"]
     rest = [o for o in given if override_key(o) != "trainer.seed"]
-    named = job.run_dir.name == run_name(given)  # the default hydra.run.dir
+    named = job.run_dir.name == run_name(given, str(job.run_dir.parent))  # the default hydra.run.dir
     jobs = []
     for seed in range(first, first + pack):
         overrides = [*rest, f"trainer.seed={seed}"] if seed != first or len(rest) < len(given) else rest
         if named:
-            run_dir = job.run_dir.parent / run_name(overrides)
+            run_dir = job.run_dir.parent / run_name(overrides, str(job.run_dir.parent))
         else:
             run_dir = job.run_dir if seed == first else job.run_dir.with_name(f"{job.run_dir.name}-seed{seed}")
         cfg = with_value(with_value(job.cfg, "trainer.seed", seed), "trainer.pack", 1)

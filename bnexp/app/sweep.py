@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 
 from bnexp.app.cells import lists_cells
 from bnexp.app.compose import is_group
-from bnexp.data.files import identity_problem
+from bnexp.data.files import RECORDS, identity_problem
 from bnexp.engine.checkpoint import FINAL, periodic_step, read_config, resume_candidates, verified_bytes
 from bnexp.engine.config import lr_not_applicable
 from bnexp.engine.identity import cell_name, differences, fingerprint, override_key, run_differences
@@ -70,9 +70,14 @@ def parse_values(lines: Sequence[str], parser: OverridesParser) -> Values:
         elif override.is_discrete_sweep():
             found[key] = list(override.sweep_string_iterator())
         else:
-            raise ConfigError(f"{override.input_line}: bnexp's sweeper takes value lists and range(); an interval "
-                              "search needs a search sweeper (hydra/sweeper=optuna)")
+            raise interval_refused(override)
     return found
+
+
+def interval_refused(override: Override) -> ConfigError:
+    """The error for an interval sweep given to bnexp's sweeper."""
+    return ConfigError(f"{override.input_line}: bnexp's sweeper takes value lists and range(); an interval search "
+                       "needs a search sweeper (hydra/sweeper=optuna)")
 
 
 def _bare(key: str) -> str:
@@ -186,7 +191,7 @@ def skip_reason(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     finished = status in FINISHED
     if not finished and (str(cfg.trainer.resume) != "auto" or not resume_candidates(run_dir)):
         return None  # nothing to skip or to resume from
-    change = run_differences(summary.get("config") or {}, cfg, summary.get("data_files"))
+    change = run_differences(summary.get("config") or {}, cfg, summary)
     if change:
         what = f"a run {status}" if finished else f"an unfinished run ({status}) to resume"
         raise OtherRunThere(f"{run_dir} holds {what} with other settings ({change}); "
@@ -213,9 +218,10 @@ def stored_result(path: Path) -> dict[str, Any]:
         value = summary.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
             raise ConfigError(f"damaged summary.json {path}: its {key} is a JSON {type(value).__name__}, not {what}")
-    problem = identity_problem(summary.get("data_files"))
-    if problem:
-        raise ConfigError(f"damaged summary.json {path}: its data_files {problem}")
+    for key in RECORDS:
+        problem = identity_problem(summary.get(key))
+        if problem:
+            raise ConfigError(f"damaged summary.json {path}: its {key} {problem}")
     return summary
 
 
@@ -425,7 +431,7 @@ def describe_jobs(jobs: Sequence[Job], sweep_dir: Path, places: Optional[Sequenc
     ``settings``: each job's config, for a listing sweep, whose cells may have finished runs
     of their settings elsewhere (:func:`finished_twin`; asked only when finished runs are
     there); ``fresh``: trainer.resume=never."""
-    dirs = list(places) if places is not None else [sweep_dir / cell_name(job) for job in jobs]
+    dirs = list(places) if places is not None else [sweep_dir / cell_name(job, str(sweep_dir)) for job in jobs]
     plans = [cell_plan(d, fresh) for d in dirs]
     if settings is not None and not fresh and dirs and others_finished(dirs, sweep_dir):
         plans = [twin_plan(p, job, sweep_dir, settings) if p.action == "run" else p for p, job in zip(plans, jobs)]

@@ -84,9 +84,12 @@ def agent_main() -> None:
     """torchrun's agent, started by :func:`run_under_torchrun`: it dies with the launcher and
     tells the ranks it starts to die with it. A failed rank ends it with that rank's exit
     code (128 + N for signal N), without the traceback of torchrun's ChildFailedError: its
-    log has named the rank already, and the launcher sums up in one line."""
+    log has named the rank already, and the launcher sums up in one line. The SIGTERM the
+    launcher passes on (a preemption) ends it with 128 + the signal, without the traceback of
+    torchrun's SignalException: it has passed the signal on to the ranks, which checkpoint."""
     follow_launcher()
     os.environ[PARENT_ENV] = str(os.getpid())  # the ranks' parent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
@@ -95,6 +98,8 @@ def agent_main() -> None:
     except ChildFailedError as err:
         code = err.get_first_failure()[1].exitcode
         sys.exit(code if code > 0 else 128 - code)
+    except SignalException as err:
+        sys.exit(128 + int(err.sigval))
 
 
 def check_gpus(nproc: int, device: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -70,6 +71,26 @@ def _imagenet(cfg: Mapping[str, Any]) -> DataBundle:
 def build_data(cfg: Mapping[str, Any]) -> DataBundle:
     """Load ``data.name`` (from disk, downloaded when possible, or made in memory)."""
     return DATASETS.get(cfg["name"])(cfg)
+
+
+# Training images of the official releases (read only when data.verify checked them) and of
+# scikit-learn's digits before their split.
+OFFICIAL_TRAIN_IMAGES = {"cifar10": 50_000, "cifar100": 50_000, "mnist": 60_000}
+DIGITS_IMAGES = 1797
+
+
+def known_train_size(cfg: Mapping[str, Any]) -> Optional[int]:
+    """The training images of a data set when its config says how many without reading it:
+    ``synthetic``'s ``train_size``, the digits' split, an official release checked by
+    ``data.verify``; None otherwise (npz, ImageNet, files read unverified)."""
+    name = cfg.get("name")
+    if name == "synthetic":
+        return int(cfg["train_size"])
+    if name == "digits":  # scikit-learn's split: ceil(fraction * n) test images
+        return DIGITS_IMAGES - math.ceil(DIGITS_IMAGES * float(cfg.get("test_fraction", 0.2)))
+    if name in OFFICIAL_TRAIN_IMAGES and cfg.get("verify", True):
+        return OFFICIAL_TRAIN_IMAGES[name]
+    return None
 
 
 def data_files(cfg: Mapping[str, Any]) -> tuple[DataFile, ...]:

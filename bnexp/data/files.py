@@ -11,12 +11,13 @@ import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, TypeVar
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, TypeVar
 
 import torch
 from torchvision.datasets.utils import check_integrity
 
 from bnexp.support.errors import DataError, DataUnavailable
+from bnexp.support.untrusted import DATA_FILE, open_regular
 
 T = TypeVar("T")
 
@@ -27,6 +28,9 @@ OFFLINE_HINT = (
 )
 FETCH_HINT = ", or set data.download=true to fetch it"  # only where downloading was off
 REDOWNLOAD_HINT = "Delete it and re-download, or set data.verify=false to read it anyway."
+# A data file read into memory whole: CIFAR's batches and MNIST's idx files (the largest of
+# their releases is 158 MB).
+WHOLE_FILE = 2**31
 
 
 class DataFile(NamedTuple):
@@ -109,7 +113,7 @@ def file_digest(path: str, size: int, mtime_ns: int, algorithm: str) -> str:
     """The hex digest of a file's bytes; cached per (path, size, modification time), so a
     sweep's cells that read one file hash it once."""
     digest = hashlib.new(algorithm)
-    with open(path, "rb") as f:
+    with open_regular(path, DATA_FILE) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -149,26 +153,33 @@ def identity_problem(recorded: object) -> str:
     return ""
 
 
-def changed_files(recorded: object) -> list[str]:
-    """The files of an identity :func:`identify` recorded whose content differs now, each as
-    ``path: <size and digest> there, <now> here``. A file with its recorded size and
+# The records of files a run keeps in its summary and checkpoints, and what each file is called.
+RECORDS = {"data_files": "data file", "init_weights": "starting weights file"}
+
+
+def changed_files(recorded: object, now: Sequence[Path] = (), key: str = "data_files") -> list[str]:
+    """The files of an identity :func:`identify` recorded (under ``key`` of :data:`RECORDS`)
+    whose content differs now, each as ``data file path: <size and digest> there, <now> here``. A recorded file is compared with the
+    file of the same name among ``now`` (the files the run reads now, wherever the data set
+    has moved), else with the file at its recorded path. A file with its recorded size and
     modification time is taken as unchanged (not hashed again); a file now missing is not
     compared (reading it would fail). A damaged record (:func:`identity_problem`) is itself
     the difference: the data it was made from cannot be told."""
     problem = identity_problem(recorded)
     if problem:
-        return [f"the record of its data files is damaged: its data_files {problem}"]
+        return [f"the record of its {RECORDS[key]}s is damaged: its {key} {problem}"]
     changes = []
     for name, there in (recorded or {}).items():
-        path = Path(name)
+        same_name = [p for p in now if p.name == Path(name).name]
+        path = same_name[0] if len(same_name) == 1 else Path(name)
         if not path.is_file():
             continue
         stat = path.stat()
-        if (stat.st_size, stat.st_mtime_ns) == (there.get("size"), there.get("mtime_ns")):
+        if (str(path), stat.st_size, stat.st_mtime_ns) == (name, there.get("size"), there.get("mtime_ns")):
             continue
         algorithm = "md5" if "md5" in there else "sha256"
-        digest = file_digest(name, stat.st_size, stat.st_mtime_ns, algorithm)
+        digest = file_digest(str(path), stat.st_size, stat.st_mtime_ns, algorithm)
         if (stat.st_size, digest) != (there.get("size"), there.get(algorithm)):
-            changes.append(f"data file {name}: {there.get('size')} bytes, {algorithm} {str(there.get(algorithm))[:12]}"
-                           f"... there; {stat.st_size} bytes, {algorithm} {digest[:12]}... here")
+            changes.append(f"{RECORDS[key]} {path}: {there.get('size')} bytes, {algorithm} {str(there.get(algorithm))[:12]}... "
+                           f"there; {stat.st_size} bytes, {algorithm} {digest[:12]}... here")
     return changes

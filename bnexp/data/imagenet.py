@@ -52,9 +52,10 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.datasets.imagenet import ARCHIVE_META
 from torchvision.transforms import v2
 
-from bnexp.data.jpeg import DrawAugmentation, JpegBatches, collate_encoded, read_encoded
+from bnexp.data.jpeg import MAX_IMAGE_FILE, DrawAugmentation, JpegBatches, collate_encoded, read_encoded
 from bnexp.data.transfer import Feed, Normalized
 from bnexp.support.errors import ConfigError, DataError, DataUnavailable, unknown_choice
+from bnexp.support.untrusted import open_regular
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -88,7 +89,7 @@ class CheckedImages(Dataset):
     def __init__(self, images: ImageFolder, skip: bool, transform: Callable[[Any], Any],
                  left_out: Collection[str] = ()) -> None:
         self.images, self.skip, self.transform = images, skip, transform
-        self.load: Callable[[str], Any] = images.loader
+        self.load: Callable[[str], Any] = read_image
         self.classes = images.classes
         self.left_out = sorted(left_out)
         self.samples = [sample for sample in images.samples if sample[0] not in left_out]
@@ -121,10 +122,17 @@ class CheckedImages(Dataset):
         raise DataError(f"no image under {self.images.root} is readable (data.bad_images=skip)")
 
 
+def read_image(path: str) -> Image.Image:
+    """An image file as RGB, as torchvision's loader reads it, if it is a regular file of an
+    image's size (torchvision's loader waits forever on a FIFO)."""
+    with open_regular(path, MAX_IMAGE_FILE) as f, Image.open(f) as image:
+        return image.convert("RGB")
+
+
 def _header_problem(path: str) -> Optional[str]:
     """Why PIL cannot open the image at ``path`` (its header, not its pixels), or None."""
     try:
-        with Image.open(path) as image:
+        with open_regular(path, MAX_IMAGE_FILE) as f, Image.open(f) as image:
             image.verify()
     except Exception as err:
         return f"{type(err).__name__}: {err}"

@@ -39,6 +39,9 @@ from torchvision.transforms.v2 import functional as F
 
 from bnexp.data.transfer import Batch, Normalized
 from bnexp.support.errors import DataError
+from bnexp.support.untrusted import open_regular
+
+MAX_IMAGE_FILE = 2**28  # bytes of one image file: ImageNet's largest JPEG is 15 MB
 
 Params = list[Optional[dict[str, Any]]]  # per step: its drawn parameters, None for a random step not applied
 
@@ -58,8 +61,10 @@ class Encoded:
 
 def read_encoded(path: str) -> Encoded:
     """The file at ``path`` as :class:`Encoded`: PIL opens its header (raising for a file it
-    cannot open) and decodes it only when it is not an RGB JPEG."""
-    data = Path(path).read_bytes()
+    cannot open) and decodes it only when it is not an RGB JPEG. Only a regular file of an
+    image's size is read (:func:`bnexp.support.untrusted.open_regular`)."""
+    with open_regular(path, MAX_IMAGE_FILE) as f:
+        data = f.read()
     with Image.open(io.BytesIO(data)) as image:
         if image.format == "JPEG" and image.mode == "RGB":
             return Encoded(path, torch.frombuffer(bytearray(data), dtype=torch.uint8), True, (image.height, image.width))

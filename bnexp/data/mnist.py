@@ -21,8 +21,9 @@ import torch
 from torchvision.datasets import MNIST
 
 from bnexp.data.arrays import ArrayData
-from bnexp.data.files import DataFile, DataFiles, check_labels, ensure_present, read_file, verify_release
+from bnexp.data.files import WHOLE_FILE, DataFile, DataFiles, check_labels, ensure_present, read_file, verify_release
 from bnexp.support.errors import DataError
+from bnexp.support.untrusted import read_regular
 
 SPLIT_SIZES = {"train": 60000, "t10k": 10000}  # images (and labels) per split of the release
 NUM_CLASSES = 10
@@ -55,7 +56,7 @@ def mnist_files(cfg: Mapping[str, Any]) -> DataFiles:
 
 def read_idx(path: Path, ndim: int) -> torch.Tensor:
     """The uint8 array in an idx-ubyte file of ``ndim`` dimensions, if its size matches its header."""
-    raw = read_file(path, Path.read_bytes)
+    raw = read_file(path, lambda p: read_regular(p, WHOLE_FILE))
     header = 4 + 4 * ndim
     if len(raw) < header or raw[:4] != bytes((0, 0, 8, ndim)):
         raise DataError(

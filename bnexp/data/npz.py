@@ -20,6 +20,7 @@ import torch
 from bnexp.data.arrays import ArrayData
 from bnexp.data.files import check_labels
 from bnexp.support.errors import ConfigError, DataError
+from bnexp.support.untrusted import DATA_FILE, open_regular
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
 CHANNELS = (1, 3)
@@ -85,7 +86,7 @@ def load_npz(cfg: Mapping[str, Any]) -> ArrayData:
         raise DataError(f"{path} is not an .npz file: expected a zip archive of .npy arrays (numpy.savez or "
                         f"numpy.savez_compressed) holding {', '.join(KEYS)}")
     try:
-        with np.load(path, allow_pickle=False) as f:
+        with open_regular(path, DATA_FILE) as raw, np.load(raw, allow_pickle=False) as f:
             arrays = {key: f[key] for key in f.files}
     except Exception as err:
         raise DataError(f"cannot read {path} as an .npz file: {type(err).__name__}: {err}") from err

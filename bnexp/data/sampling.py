@@ -19,6 +19,14 @@ from bnexp.support.errors import unknown_choice
 SAMPLINGS = ("with_replacement", "shuffle")
 
 
+def epoch_steps(size: int, batch_size: int, world_size: int = 1, sampling: str = "with_replacement",
+                drop_last: bool = False) -> int:
+    """The batches of one process's share of an epoch of ``size`` images (:class:`EpochSampler`):
+    the share rounded up to whole batches, or down with ``shuffle`` and ``drop_last``."""
+    share = -(-size // world_size)
+    return share // batch_size if sampling == "shuffle" and drop_last else -(-share // batch_size)
+
+
 class EpochSampler(Sampler[int]):
     """Indices of one process's share of an epoch, in whole batches, resumable mid-epoch.
 
@@ -41,16 +49,9 @@ class EpochSampler(Sampler[int]):
             if sampling == "shuffle"
             else None
         )
-        share = -(-self.size // world_size)
-        if self.shuffler is None:
-            self.steps = -(-share // batch_size)
-            self.num_samples = self.steps * batch_size
-        elif drop_last:
-            self.steps = share // batch_size
-            self.num_samples = self.steps * batch_size
-        else:
-            self.steps = -(-share // batch_size)
-            self.num_samples = share
+        self.steps = epoch_steps(self.size, batch_size, world_size, sampling, drop_last)
+        whole_batches = self.shuffler is None or drop_last
+        self.num_samples = self.steps * batch_size if whole_batches else -(-self.size // world_size)
         self.epoch = 0
         self.offset = 0
 

@@ -31,6 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 from bnexp.engine.identity import differences, fingerprint
 from bnexp.support.errors import ConfigError
 from bnexp.support.runinfo import atomic_write
+from bnexp.support.untrusted import CHECKPOINT_FILE, RECORD_FILE, SMALL_FILE, UnsafeFile, read_regular, text_stream
 
 log = logging.getLogger("bnexp.engine.checkpoint")
 
@@ -51,8 +52,8 @@ class UnsafeCheckpoint(ConfigError):
     def __init__(self, path: Path, needs: str) -> None:
         super().__init__(f"refused checkpoint {path}: unpickling it needs {needs}, not only the tensors and plain "
                          "containers bnexp loads (torch.load(weights_only=True), never code from a file); if it is "
-                         "a trusted checkpoint of an older bnexp, convert it once with the command in "
-                         "docs/resilience.md (\"Checkpoints of older versions\")")
+                         "a checkpoint of an older bnexp, convert it once with scripts/convert_checkpoints.py as "
+                         "docs/resilience.md (\"Checkpoints of older versions\") says")
 
 
 def checksum_path(path: Path) -> Path:
@@ -144,11 +145,13 @@ def verified_bytes(path: Path, require_checksum: bool = True) -> bytes:
     """A checkpoint's bytes, checked against its digest file; ValueError if they differ, or
     if the digest file is missing and ``require_checksum`` (else a warning)."""
     try:
-        data = path.read_bytes()
+        data = read_regular(path, CHECKPOINT_FILE)
     except OSError as err:
         raise ValueError(f"unreadable checkpoint {path}: {err}") from err
     try:
-        expected = checksum_path(path).read_bytes().split()[0].decode("ascii", "backslashreplace")
+        expected = read_regular(checksum_path(path), SMALL_FILE).split()[0].decode("ascii", "backslashreplace")
+    except UnsafeFile as err:
+        raise ValueError(f"damaged checkpoint {path}: its checksum file: {err}") from None
     except (OSError, IndexError):
         if require_checksum:
             raise ValueError(f"damaged checkpoint {path}: its checksum file {checksum_path(path).name} is missing")
@@ -197,7 +200,7 @@ def read_config(path: Path) -> DictConfig:
     """A run's ``config.yaml``, resolved; a ConfigError naming the file if it cannot be read,
     does not parse, or is not a mapping of settings."""
     try:
-        cfg = OmegaConf.create(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+        cfg = OmegaConf.create(OmegaConf.to_container(OmegaConf.load(text_stream(path, RECORD_FILE)), resolve=True))
     except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException) as err:
         raise ConfigError(f"damaged run config {path}: {type(err).__name__}: {' '.join(str(err).split())}") from None
     if not isinstance(cfg, DictConfig) or not all(key in cfg for key in RUN_SECTIONS):
@@ -222,9 +225,14 @@ def finished_run(run_dir: Path, command: str) -> tuple[DictConfig, dict[str, Any
     return cfg, payload
 
 
+def weights_file(path: Path) -> Path:
+    """The checkpoint file ``path`` names: itself, or a run directory's final checkpoint."""
+    return path / FINAL if path.is_dir() else path
+
+
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
     """The model weights of a checkpoint file or of a run directory's final checkpoint."""
-    file = path / FINAL if path.is_dir() else path
+    file = weights_file(path)
     if not file.is_file():
         raise ConfigError(f"{path}: no checkpoint there (a checkpoint file, or a run directory holding {FINAL})")
     return load_given(file)["model"]

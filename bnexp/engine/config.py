@@ -9,8 +9,12 @@ from typing import Any, Iterable, Mapping
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from bnexp.data import known_train_size
+from bnexp.data.loaders import drop_last
+from bnexp.data.sampling import epoch_steps
 from bnexp.engine.identity import flatten, override_key
-from bnexp.engine.schema import MAX_SEED, RESUME_MODES, check_schema
+from bnexp.engine.optim import milestone_steps, to_steps
+from bnexp.engine.schema import MAX_SEED, MAX_STEPS, RESUME_MODES, STEPS_WHY, check_schema
 from bnexp.nn.create_norm import NORM_LAYERS, uses_batch_statistics
 from bnexp.support.distributed import Dist, split_batch
 from bnexp.support.errors import ConfigError
@@ -50,11 +54,86 @@ def resolved(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _milestones(values: Mapping[str, Any]) -> None:
-    """``schedule.milestones`` in increasing order (the schema checks that they are numbers >= 0)."""
+    """``schedule.milestones`` in strictly increasing order (the schema checks that they are
+    numbers >= 0): a milestone given twice would decay the lr twice there."""
     milestones = values["schedule"].get("milestones")
-    if milestones is not None and milestones != sorted(milestones):
-        raise ConfigError(f"schedule.milestones={milestones} is not valid: schedule.milestones must be in increasing "
-                          "order, e.g. [60,100]")
+    if milestones is not None and any(a >= b for a, b in zip(milestones, milestones[1:])):
+        raise ConfigError(f"schedule.milestones={milestones} is not valid: schedule.milestones must be in strictly "
+                          "increasing order (each one decays the lr once), e.g. [60,100]")
+
+
+# Synthetic images are made in memory: (train_size + test_size) x channels x image_size^2 bytes,
+# with float32 copies while they are drawn. 2**30 bytes is 5.8 times CIFAR-10.
+MAX_SYNTHETIC_BYTES = 2**30
+
+
+def _synthetic_size(cfg: DictConfig) -> None:
+    """``data=synthetic`` fits in memory (each of its sizes is bounded by the schema alone)."""
+    data = cfg.data
+    if data.get("name") != "synthetic":
+        return
+    size = (data.train_size + data.test_size) * data.get("channels", 3) * data.image_size**2
+    if size > MAX_SYNTHETIC_BYTES:
+        raise ConfigError(f"data=synthetic with data.train_size={data.train_size}, data.test_size={data.test_size}, "
+                          f"data.channels={data.get('channels', 3)} and data.image_size={data.image_size} holds "
+                          f"{size} bytes of images, more than {MAX_SYNTHETIC_BYTES} (it is made in memory, with "
+                          "float32 copies): use fewer or smaller images")
+
+
+def known_steps_per_epoch(cfg: DictConfig) -> int | None:
+    """The optimizer steps of an epoch when the config tells the training images
+    (:func:`bnexp.data.known_train_size`); None when only the loaded data does."""
+    images = known_train_size(cfg.data)
+    if images is None:
+        return None
+    batch = split_batch(cfg.trainer.batch_size, Dist(world_size=cfg.trainer.nproc))
+    steps = epoch_steps(images, batch, cfg.trainer.nproc, str(cfg.data.get("sampling", "with_replacement")),
+                        drop_last(cfg.data, uses_batch_statistics(cfg.norm)))
+    return steps or None  # none: a batch larger than the data, which the run's batch check names
+
+
+def step_amounts(cfg: DictConfig) -> list[tuple[str, float, str, bool]]:
+    """The amounts a run turns into step counts: (key, value, unit, whether 0 turns it off)."""
+    trainer, schedule = cfg.trainer, cfg.schedule
+    amounts = [("trainer.eval_every", trainer.eval_every, trainer.eval_unit, False),
+               ("schedule.warmup", schedule.get("warmup", 0), schedule.get("warmup_unit") or schedule.get("unit", "epoch"), True)]
+    if trainer.max_steps is None:
+        amounts.append(("trainer.epochs", trainer.epochs, "epoch", False))
+    if trainer.checkpoint_unit != "minute":
+        amounts.append(("trainer.checkpoint_every", trainer.checkpoint_every, trainer.checkpoint_unit, True))
+    return amounts
+
+
+def check_step_counts(cfg: DictConfig, steps_per_epoch: int | None) -> None:
+    """Amounts that round to no step (a run that trains nothing, an interval that never comes)
+    name the smallest valid value; milestones must fall on distinct steps, and the run must
+    end within :data:`~bnexp.engine.schema.MAX_STEPS` steps. Amounts in epochs are checked
+    only when ``steps_per_epoch`` is known (an epoch count of 0 always)."""
+    for key, value, unit, zero_is_off in step_amounts(cfg):
+        if unit == "epoch" and steps_per_epoch is None:
+            if value == 0 and not zero_is_off:
+                raise ConfigError(f"{key}=0 is not valid: it trains no step; give a number of epochs > 0 (or set "
+                                  "trainer.max_steps)")
+            continue
+        if to_steps(value, unit, steps_per_epoch or 1) < 1 and not (zero_is_off and value == 0):
+            raise ConfigError(f"{key}={value} is not valid: it rounds to no step; the smallest valid value is "
+                              f"{smallest_amount(unit, steps_per_epoch)}{', or 0 to turn it off' if zero_is_off else ''}")
+    if steps_per_epoch is None:
+        return
+    total = to_steps(cfg.trainer.epochs, "epoch", steps_per_epoch) if cfg.trainer.max_steps is None else 0
+    if total > MAX_STEPS:
+        raise ConfigError(f"trainer.epochs={cfg.trainer.epochs} is {total} steps ({steps_per_epoch} per epoch), more "
+                          f"than {MAX_STEPS} ({STEPS_WHY}): use fewer epochs")
+    if cfg.schedule.name == "multistep":
+        milestone_steps(list(cfg.schedule.get("milestones") or []), cfg.schedule.get("unit", "epoch"), steps_per_epoch)
+
+
+def smallest_amount(unit: str, steps_per_epoch: int | None) -> str:
+    """The smallest amount in ``unit`` that makes one step, in words."""
+    if unit != "epoch":
+        return "1 (step)"
+    per_epoch = f"{steps_per_epoch} step{'s' if steps_per_epoch != 1 else ''}"
+    return f"{1 / steps_per_epoch:.6g} (epochs of {per_epoch}: one step)"
 
 
 def _resume(cfg: DictConfig) -> None:
@@ -144,6 +223,8 @@ def validate(cfg: DictConfig) -> None:
     _nesterov(cfg)
     _warmup(cfg)
     _seeds(cfg)
+    _synthetic_size(cfg)
+    check_step_counts(cfg, known_steps_per_epoch(cfg))
     per_process = split_batch(cfg.trainer.batch_size, Dist(world_size=cfg.trainer.nproc))
     together = cfg.trainer.batch_size if cfg.norm.get("sync") else per_process
     if together < 2 and uses_batch_statistics(cfg.norm):

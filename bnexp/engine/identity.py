@@ -2,15 +2,17 @@
 
 A run directory is named after the command-line overrides that change the result
 (:func:`run_name`), and its ``summary.json`` records the fingerprint of the resolved config
-without the settings that do not (:func:`fingerprint`). Re-running a command finds the
-directory again; "completed" means completed with the same fingerprint, and a finished run
-with another one is an error naming the keys that differ (:func:`differences`).
+without the settings that do not (:func:`fingerprint`), beside what its data files and its
+starting weights hold (``data_files``, ``init_weights``). Re-running a command finds the
+directory again; "completed" means completed with the same fingerprint and the same files,
+and a finished run with other ones is an error naming what differs (:func:`run_differences`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
@@ -61,7 +63,12 @@ LOOKUP_KEYS = ("lookup",)
 # Group choices left out of the names of a sweep's cells (:func:`cell_name`) only: a preset
 # names its own sweep folder, and what either sets is in the config (so in the fingerprint).
 PRESET_KEYS = ("experiment", "scale")
-MAX_NAME = 200  # file names may be 255 bytes; leave room
+# Where a data set lies is not what it holds (the digests of data_files say that): data.root is
+# left out of run names, and fingerprints hold it at the root its data set's config gives, the
+# value every fingerprint recorded before 2026-11-28 holds, so those stay as they were.
+LOCATION_KEYS = ("data.root",)
+RECORDED_ROOTS = {"cifar10": "data", "cifar100": "data", "mnist": "data", "imagenet": "data/imagenet"}
+MAX_NAME_BYTES = 255  # a file name's limit (ext4, XFS, NFS)
 FINGERPRINT_CHARS = 16
 
 
@@ -83,23 +90,53 @@ def short_hash(text: str, chars: int = 12) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:chars]
 
 
-def run_name(overrides: Iterable[str], leave_out: tuple[str, ...] = ()) -> str:
-    """A directory name from a command line's overrides: those that change the result,
-    sorted and joined by commas (``model=vgg16,norm=cbn``); ``defaults`` for none. Stable,
-    so re-running a command finds its directory; cut and given a short hash when long."""
+def run_name(overrides: Iterable[str], folder: str | None = None, leave_out: tuple[str, ...] = ()) -> str:
+    """A directory name from a command line's overrides: those that change the result but
+    ``data.root``, sorted and joined by commas (``model=vgg16,norm=cbn``); ``defaults`` for
+    none. Stable, so re-running a command finds its directory; ``/`` written as ``%2F`` (and
+    ``%`` as ``%25``), so two values never share a name; cut to 255 bytes with a short hash
+    of the whole. Given the ``folder`` it goes in, the name an older bnexp gave the same
+    command when only that directory is there (:func:`found_name`)."""
+    lines = sorted(str(o) for o in overrides
+                   if not _covered(override_key(str(o)), NON_RESULT_KEYS + LOCATION_KEYS + leave_out))
+    name = ",".join(lines).replace("%", "%25").replace("/", "%2F") or "defaults"
+    if len(name.encode()) > MAX_NAME_BYTES:
+        head = name.encode()[: MAX_NAME_BYTES - 13].decode(errors="ignore")  # never half a character
+        name = f"{head}-{short_hash(name)}"
+    return name if folder is None else found_name(Path(folder), name, list(overrides), leave_out)
+
+
+def legacy_run_name(overrides: Iterable[str], leave_out: tuple[str, ...] = ()) -> str:
+    """The name bnexp gave a run directory before 2026-11-28: ``data.root`` included, ``/`` as
+    ``_``, cut at 200 characters."""
     lines = sorted(str(o) for o in overrides if not _covered(override_key(str(o)), NON_RESULT_KEYS + leave_out))
-    name = ",".join(lines).replace("/", "_")
-    if not name:
-        return "defaults"
-    if len(name) <= MAX_NAME:
+    name = ",".join(lines).replace("/", "_") or "defaults"
+    return name if len(name) <= 200 else f"{name[:187]}-{short_hash(name)}"
+
+
+def found_name(folder: Path, name: str, overrides: list[str], leave_out: tuple[str, ...] = ()) -> str:
+    """``name``, unless ``folder`` holds no directory of it but one an older bnexp named
+    (:func:`legacy_run_name`) for the same command, with its ``data.root`` or another (the
+    data set may have moved since; the data files' digests tell whether it is the same data)."""
+    if (folder / name).exists() or not folder.is_dir():
         return name
-    return f"{name[: MAX_NAME - 13]}-{short_hash(name)}"
+    legacy = legacy_run_name(overrides, leave_out)
+    if (folder / legacy).is_dir():
+        return legacy
+    elsewhere = legacy_run_name([o for o in overrides if not _covered(override_key(str(o)), LOCATION_KEYS)], leave_out)
+    moved = [d for d in folder.iterdir() if _without_location(d.name) == elsewhere and d.is_dir()]
+    return moved[0].name if len(moved) == 1 else name
 
 
-def cell_name(overrides: Iterable[str]) -> str:
+def _without_location(name: str) -> str:
+    """A name of :func:`legacy_run_name` without its ``data.root=...`` part (:data:`LOCATION_KEYS`)."""
+    return ",".join(part for part in name.split(",") if part.partition("=")[0] not in LOCATION_KEYS) or "defaults"
+
+
+def cell_name(overrides: Iterable[str], folder: str | None = None) -> str:
     """The folder of one cell inside its sweep's folder: :func:`run_name` without the preset
     choices, which the sweep folder already says."""
-    return run_name(overrides, PRESET_KEYS)
+    return run_name(overrides, folder, PRESET_KEYS)
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -117,6 +154,8 @@ def result_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     tree = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     tree.pop("hydra", None)
     flat = {k: _canonical(v) for k, v in flatten(tree).items() if not _covered(k, NON_RESULT_KEYS + LOOKUP_KEYS)}
+    if "data.root" in flat:  # the root recorded fingerprints hold (LOCATION_KEYS)
+        flat["data.root"] = RECORDED_ROOTS.get(str(flat.get("data.name")))
     return {k: v for k, v in flat.items() if k not in NEUTRAL_SINCE_ADDED or v != NEUTRAL_SINCE_ADDED[k]}
 
 
@@ -130,13 +169,18 @@ def fingerprint(cfg: DictConfig | Mapping[str, Any]) -> str:
     return short_hash(json.dumps(result_config(cfg), sort_keys=True, default=str), FINGERPRINT_CHARS)
 
 
-def run_differences(there: Mapping[str, Any], here: Mapping[str, Any],
-                    data_there: Mapping[str, Any] | None = None) -> str:
-    """What makes a recorded run (its config ``there`` and the identity of its data files,
-    ``data_there``) another run than ``here``: the settings that differ (:func:`differences`),
-    then the data files whose content changed since; empty for the same run."""
+def run_differences(there: Mapping[str, Any], here: DictConfig, recorded: Mapping[str, Any] | None = None) -> str:
+    """What makes a recorded run (its config ``there``; ``recorded``, its summary or checkpoint,
+    holds what its data files and starting weights held) another run than ``here``: the
+    settings that differ (:func:`differences`), then the data files and starting weights whose
+    content differs from the files ``here`` reads; empty for the same run."""
+    from bnexp.data import data_files  # the data sets' loaders, imported only when a run is compared
+
+    recorded = recorded or {}
     settings = [differences(there, here)] if fingerprint(there) != fingerprint(here) else []
-    return "; ".join(settings + changed_files(data_there))
+    now = [f.path for f in data_files(here.data)]
+    return "; ".join(settings + changed_files(recorded.get("data_files"), now)
+                     + changed_files(recorded.get("init_weights"), key="init_weights"))
 
 
 def differences(there: Mapping[str, Any], here: Mapping[str, Any], limit: int = 6) -> str:

@@ -160,6 +160,17 @@ def to_steps(value: float, unit: str, steps_per_epoch: int) -> int:
     return int(round(value * steps_per_epoch)) if unit == "epoch" else int(value)
 
 
+def milestone_steps(milestones: list[float], unit: str, steps_per_epoch: int) -> list[int]:
+    """The steps at which a multistep schedule decays the lr; a ConfigError when two fall on
+    one step (torch's MultiStepLR would decay twice there)."""
+    steps = [to_steps(m, unit, steps_per_epoch) for m in milestones]
+    if len(set(steps)) < len(steps):
+        raise ConfigError(f"schedule.milestones={list(milestones)} is not valid: they fall on the steps {steps} "
+                          f"({steps_per_epoch} per epoch), and a step given twice decays the lr twice there: give "
+                          "milestones on distinct steps")
+    return steps
+
+
 def build_schedule(optimizer: Optimizer, cfg: Mapping[str, Any], steps_per_epoch: int) -> LRScheduler:
     """A per-step schedule: multistep decay (milestones in epochs or steps) or constant,
     optionally multiplied by a warmup over the first ``warmup`` units (``warmup_unit``,
@@ -168,7 +179,7 @@ def build_schedule(optimizer: Optimizer, cfg: Mapping[str, Any], steps_per_epoch
     if name not in SCHEDULES:
         raise unknown_choice("schedule.name", name, SCHEDULES)
     unit = cfg.get("unit", "epoch")
-    milestones = [to_steps(m, unit, steps_per_epoch) for m in cfg.get("milestones", [])] if name == "multistep" else []
+    milestones = milestone_steps(list(cfg.get("milestones") or []), unit, steps_per_epoch) if name == "multistep" else []
     parts: list[LRScheduler] = [MultiStepLR(optimizer, milestones, gamma=cfg.get("gamma", 0.1))]
     warmup_unit = cfg.get("warmup_unit") or unit
     if warmup_unit not in UNITS:

@@ -26,11 +26,13 @@ STOP_EXIT_CODES = {"preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED}
 
 
 class Preempted(Exception):
-    """The run stopped on a signal after writing a checkpoint; re-run to resume."""
+    """The run stopped on a signal after writing a checkpoint (or before training started,
+    with nothing to checkpoint); re-run to resume."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, before_training: bool = False) -> None:
         name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
-        super().__init__(f"stopped by {name} after writing a checkpoint")
+        when = "before training started (nothing to checkpoint yet)" if before_training else "after writing a checkpoint"
+        super().__init__(f"stopped by {name} {when}")
         self.signum, self.signal_name = signum, name
         self.status = "interrupted" if signum == signal.SIGINT else "preempted"
         self.exit_code = STOP_EXIT_CODES[self.status]
@@ -59,7 +61,9 @@ class PreemptionGuard:
     def __enter__(self) -> "PreemptionGuard":
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                previous = signal.signal(sig, self._handle)
+                owner = getattr(previous, "__self__", None)  # the set-up's handler: forward to the one before it
+                self._previous[sig] = owner.previous.get(sig) if isinstance(owner, StopAtOnce) else previous
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -78,3 +82,31 @@ class PreemptionGuard:
         previous = self._previous.get(self.signum) if self.signum is not None else None
         if callable(previous) and previous is not signal.default_int_handler:  # that one raises KeyboardInterrupt
             previous(self.signum, None)
+
+
+class StopAtOnce:
+    """Context manager for a run's set-up (checking, reading data, building the model): a
+    preemption signal stops it at once, as :class:`Preempted` (``before_training``), after the
+    handler installed before it (submitit's requeue) has run; there is nothing to checkpoint.
+    SIGINT is left alone: Ctrl-C's KeyboardInterrupt already stops a set-up. The training
+    loop's :class:`PreemptionGuard` takes over from it."""
+
+    def __init__(self) -> None:
+        self.previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        previous = self.previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+        raise Preempted(signum, before_training=True)
+
+    def __enter__(self) -> "StopAtOnce":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (s for s in SIGNALS if s != signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous.clear()

@@ -35,9 +35,34 @@ DEVICES = ("auto", "cpu", "cuda")
 CHECKPOINT_UNITS = (*UNITS, "minute")  # minutes of wall time: bnexp/engine/trainer.py CheckpointClock
 RESUME_MODES = ("auto", "never")  # or the path of a checkpoint file
 MAX_DATA_SEED = 2**64 - 1
-# No bnexp model trains much wider on one GPU: at this width a hidden layer of an MLP holds
-# 2**32 weights (16 GiB in float32), a 3x3 convolution of a CIFAR ResNet's last stage ~2**39.
+# Upper bounds: what one machine can do, each with its reason, which the error message gives.
 MAX_WIDTH = 2**16
+WIDTH_WHY = ("no bnexp model trains wider on one GPU: an MLP's hidden layer then holds 2**32 weights (16 GiB in "
+             "float32)")
+MAX_STEPS = 10**9
+STEPS_WHY = ("10**9 steps (or epochs, or minutes) is over 11 days at 1 ms a step, faster than any bnexp model steps "
+             "on an H100; the longest protocol trains 600,000 steps")
+MAX_IMAGE_SIZE = 1024
+IMAGE_WHY = ("ImageNet's protocols crop 224 pixels; beyond 1024 one batch of a ResNet's activations outgrows a GPU, "
+             "and padding beyond it leaves a crop of padding only")
+MAX_CHANNELS = 64
+CHANNELS_WHY = "images have 1 or 3 channels; 64 leaves room for multispectral stacks"
+MAX_IMAGES = 2**24
+IMAGES_WHY = "2**24 images is 13 times ImageNet's training set"
+MAX_CLASSES = 2**17
+CLASSES_WHY = "ImageNet-21k has 21,841 classes; a 2048-wide classifier of 2**17 classes holds 1 GiB of weights"
+MAX_BATCH = 2**20
+BATCH_WHY = "2**20 images is 32 times the largest batches of large-batch ImageNet training"
+MAX_MULT = 8.0
+MULT_WHY = "EfficientNet-B7, the largest of the family, scales width by 2.0 and depth by 3.1"
+MAX_PROCESSES = 1024
+PROCESSES_WHY = "processes (or packed models) on one machine: 1024 is more than any node's GPUs or cores"
+MAX_TIMEOUT = 7 * 24 * 3600
+TIMEOUT_WHY = "a week outlasts any job's time limit"
+MAX_KEPT = 1000
+KEPT_WHY = "each periodic checkpoint holds the run's whole state (a ResNet-50's is 300 MB)"
+MAX_SAMPLES = 2**16
+SAMPLES_WHY = "each of a probe's samples is a full backward pass"
 
 
 def choice(options: Any) -> Any:
@@ -53,16 +78,30 @@ Positive = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[float, Field(ge=0)]
 Fraction = Annotated[float, Field(ge=0, le=1)]
 Probability = Annotated[float, Field(ge=0, lt=1)]
-Count = Annotated[int, Field(ge=1)]
-Amount = Annotated[int, Field(ge=0)]
+
+
+def at_most(kind: type, low: float, high: float, why: str, above_low: bool = False) -> Any:
+    """``kind`` from ``low`` (or above it) to ``high``; ``why`` says why not higher (in the error)."""
+    return Annotated[kind, Field(**{"gt" if above_low else "ge": low}, le=high, description=why)]
+
+
+Duration = at_most(float, 0, MAX_STEPS, STEPS_WHY)  # epochs, steps or minutes
+Interval = at_most(float, 0, MAX_STEPS, STEPS_WHY, above_low=True)
+Steps = at_most(int, 0, MAX_STEPS, STEPS_WHY)
+ImageSize = at_most(int, 1, MAX_IMAGE_SIZE, IMAGE_WHY)
+Images = at_most(int, 1, MAX_IMAGES, IMAGES_WHY)
+Classes = at_most(int, 1, MAX_CLASSES, CLASSES_WHY)
+Batch = at_most(int, 1, MAX_BATCH, BATCH_WHY)
+Processes = at_most(int, 1, MAX_PROCESSES, PROCESSES_WHY)
+Multiplier = at_most(float, 0, MAX_MULT, MULT_WHY, above_low=True)
 
 
 @with_config(STRICT)
 class ModelKeys(TypedDict, total=False):
     name: str
-    width: Optional[Annotated[int, Field(ge=1, le=MAX_WIDTH)]]
-    width_mult: Optional[Positive]
-    depth_mult: Optional[Positive]
+    width: Optional[at_most(int, 1, MAX_WIDTH, WIDTH_WHY)]
+    width_mult: Optional[Multiplier]
+    depth_mult: Optional[Multiplier]
     dropout: Optional[Probability]
     stochastic_depth: Optional[Probability]
     init_scale: Optional[Positive]
@@ -96,11 +135,11 @@ class NormKeys(TypedDict, total=False):
     momentum: Fraction
     r_max: Optional[Annotated[float, Field(ge=1)]]  # null: never clipped
     d_max: Optional[NonNegative]
-    relax_start: Optional[Amount]  # null: no schedule (a limit that is never applied)
-    r_max_step: Optional[Amount]
-    d_max_step: Optional[Amount]
-    groups: Optional[Count]  # null: bn_4things's one channel per group
-    ghost_batch: Optional[Count]
+    relax_start: Optional[Steps]  # null: no schedule (a limit that is never applied)
+    r_max_step: Optional[Steps]
+    d_max_step: Optional[Steps]
+    groups: Optional[at_most(int, 1, MAX_WIDTH, WIDTH_WHY)]  # null: bn_4things's one channel per group
+    ghost_batch: Optional[Batch]
     affine_decay: NonNegative
     alpha: Fraction
     sync: bool
@@ -120,12 +159,12 @@ class DataKeys(TypedDict, total=False):
     path: Optional[str]
     download: bool
     verify: bool
-    num_classes: Optional[Count]
-    image_size: Count
-    resize_size: Count
-    channels: Count
-    train_size: Count
-    test_size: Count
+    num_classes: Optional[Classes]
+    image_size: ImageSize
+    resize_size: ImageSize
+    channels: at_most(int, 1, MAX_CHANNELS, CHANNELS_WHY)
+    train_size: Images
+    test_size: Images
     noise: NonNegative
     seed: Annotated[int, Field(ge=0, le=MAX_DATA_SEED)]
     split_seed: Annotated[int, Field(ge=0, le=MAX_SEED)]
@@ -135,11 +174,11 @@ class DataKeys(TypedDict, total=False):
     drop_last: Optional[bool]
     augment: bool
     aug: str
-    padding: Amount
+    padding: at_most(int, 0, MAX_IMAGE_SIZE, IMAGE_WHY)
     loader: choice(LOADERS)
-    num_workers: Amount
+    num_workers: at_most(int, 0, MAX_PROCESSES, PROCESSES_WHY)
     pin_memory: Optional[bool]
-    eval_batch_size: Count
+    eval_batch_size: Batch
     format: str
     bad_images: str
     check_images: bool
@@ -166,9 +205,9 @@ class OptimKeys(TypedDict, total=False):
 class ScheduleKeys(TypedDict, total=False):
     name: choice(SCHEDULES)
     unit: choice(UNITS)
-    milestones: Optional[list[NonNegative]]
+    milestones: Optional[list[Duration]]
     gamma: Optional[Positive]
-    warmup: NonNegative
+    warmup: Duration
     warmup_unit: Optional[choice(UNITS)]  # null: unit
     warmup_mode: choice(WARMUPS)
     warmup_factor: Fraction
@@ -176,23 +215,23 @@ class ScheduleKeys(TypedDict, total=False):
 
 @with_config(STRICT)
 class TrainerKeys(TypedDict, total=False):
-    epochs: NonNegative
-    max_steps: Optional[Count]
-    batch_size: Count
-    nproc: Count
-    dist_timeout: Positive
-    pack: Union[Count, Literal["auto"]]
+    epochs: Duration
+    max_steps: Optional[at_most(int, 1, MAX_STEPS, STEPS_WHY)]
+    batch_size: Batch
+    nproc: Processes
+    dist_timeout: at_most(float, 0, MAX_TIMEOUT, TIMEOUT_WHY, above_low=True)
+    pack: Union[Processes, Literal["auto"]]
     pack_conv: choice(PACK_CONVS)
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)]
     device: choice(DEVICES)
-    eval_every: Positive
+    eval_every: Interval
     eval_unit: choice(UNITS)
-    log_every: Count
+    log_every: at_most(int, 1, MAX_STEPS, STEPS_WHY)
     deterministic: bool
     tf32: bool
-    checkpoint_every: NonNegative
+    checkpoint_every: Duration
     checkpoint_unit: choice(CHECKPOINT_UNITS)
-    keep_checkpoints: Count
+    keep_checkpoints: at_most(int, 1, MAX_KEPT, KEPT_WHY)
     keep_best: bool
     resume: str
     init_from: Optional[str]
@@ -214,10 +253,10 @@ class LoggerKeys(TypedDict, total=False):
 
 @with_config(STRICT)
 class ProbeKeys(TypedDict, total=False):
-    every: Amount
-    k: Count
-    batch_size: Optional[Count]
-    neuron: Amount
+    every: Steps
+    k: at_most(int, 1, MAX_SAMPLES, SAMPLES_WHY)
+    batch_size: Optional[Batch]
+    neuron: at_most(int, 0, MAX_CLASSES, CLASSES_WHY)
     rtol: Optional[Positive]
     stats: BnpKeys
 
@@ -249,11 +288,13 @@ def check_schema(values: Mapping[str, Any]) -> None:
     try:
         SCHEMA.validate_python(values)
     except ValidationError as err:
-        raise schema_error(err.errors()[0]["loc"], values) from None
+        first = err.errors()[0]
+        raise schema_error(first["loc"], values, first["type"] == "less_than_equal") from None
 
 
-def schema_error(loc: tuple, values: Mapping[str, Any]) -> ConfigError:
-    """The one-line error for pydantic's error location ``loc``: the key, its value, the rule."""
+def schema_error(loc: tuple, values: Mapping[str, Any], too_large: bool = False) -> ConfigError:
+    """The one-line error for pydantic's error location ``loc``: the key, its value, the rule
+    (and, for a value above its upper bound, the bound's reason)."""
     key, kind = key_type(loc)
     value: Any = values
     for part in key.split("."):
@@ -261,7 +302,19 @@ def schema_error(loc: tuple, values: Mapping[str, Any]) -> ConfigError:
     options = choices(kind)
     if options:
         return unknown_choice(key, value, options)
-    return ConfigError(f"{key}={value!r} is not valid: {key} must be {rule(kind)}")
+    why = bound_reason(kind) if too_large else ""
+    text = f"{key}={value!r} is not valid: {key} must be {rule(kind)}" + (f" ({why})" if why else "")
+    if without_null(kind) is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        text += f"; quote a number meant as a name or path: {key}='{value}'"  # Hydra reads 2024 as an integer
+    return ConfigError(text)
+
+
+def bound_reason(kind: Any) -> str:
+    """Why a type's upper bound is where it is (its ``description``); empty if none says."""
+    origin, args = get_origin(kind), get_args(kind)
+    if origin is Annotated:
+        return next((info.description for info in args[1:] if getattr(info, "description", None)), "")
+    return next((why for why in map(bound_reason, args) if why), "")
 
 
 def choices(kind: Any) -> tuple[str, ...]:

@@ -37,18 +37,19 @@ from tqdm import tqdm
 
 from bnexp.data import DataBundle, build_data, data_identity
 from bnexp.data.device import EvalBatches
+from bnexp.data.files import DataFile, identify
 from bnexp.data.loaders import Loaders, build_seeded_loaders, drop_last
 from bnexp.engine import checkpoint
 from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import Callback, TrainState, ended_on_stop
-from bnexp.engine.config import validate
+from bnexp.engine.config import check_step_counts, validate
 from bnexp.engine.console import RunConsole
 from bnexp.engine.evaluation import DeviceEvaluation, test_rows
 from bnexp.engine.identity import fingerprint, run_differences
 from bnexp.engine.loggers import logger_callback
 from bnexp.engine.method_hooks import method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule, to_steps
-from bnexp.engine.preemption import Preempted, PreemptionGuard
+from bnexp.engine.preemption import Preempted, PreemptionGuard, StopAtOnce
 from bnexp.engine.schema import RESUME_MODES
 from bnexp.engine.step import TrainMeter, TrainStep, cuda_graph_wanted, step_batches
 from bnexp.models import build_model, count_parameters
@@ -359,6 +360,8 @@ class Trainer:
                 "seconds": self.seconds(), "config": OmegaConf.to_container(m.cfg, resolve=True),
                 "data_files": m.summary.get("data_files", {}),
             })
+            if "init_weights" in m.summary:  # a run started from trainer.init_from
+                out[-1]["init_weights"] = m.summary["init_weights"]
         return out
 
     def restore(self, payloads: list[dict[str, Any]]) -> None:
@@ -397,7 +400,7 @@ class Trainer:
         for m, (path, payload) in zip(self.members, found):
             if m.status != "running":
                 continue
-            change = run_differences(payload.get("config", {}), m.cfg, payload.get("data_files"))
+            change = run_differences(payload.get("config", {}), m.cfg, payload)
             if change:
                 if mode == "auto":
                     raise OtherRunThere(f"{path} was written by a run with other settings ({change}): run with "
@@ -553,7 +556,8 @@ class CheckpointClock:
 
     def __init__(self, every: float, unit: str, steps_per_epoch: int, check_every: int) -> None:
         self.seconds = 60.0 * every if unit == "minute" else None
-        self.steps = 0 if self.seconds is not None else to_steps(every, unit, steps_per_epoch)
+        # an interval that rounds to no step means every step, not never (validate refuses it first)
+        self.steps = 0 if self.seconds is not None or every == 0 else max(1, to_steps(every, unit, steps_per_epoch))
         self.check_every = check_every
         self.last = self.now()
 
@@ -568,9 +572,11 @@ class CheckpointClock:
         self.last = self.now()
 
 
-def init_weights(model: nn.Module, source: Path) -> None:
+def init_weights(model: nn.Module, source: Path) -> dict[str, dict[str, Any]]:
     """``trainer.init_from``: the weights of a checkpoint (file or run directory) into ``model``,
-    every key and shape matching; a ConfigError naming the differences otherwise."""
+    every key and shape matching; a ConfigError naming the differences otherwise. Returns what
+    identifies the file's content (:func:`bnexp.data.files.identify`: its sha256), which a
+    re-run compares as it compares the data files."""
     weights = checkpoint.load_weights(source)
     try:
         model.load_state_dict(weights)
@@ -578,6 +584,7 @@ def init_weights(model: nn.Module, source: Path) -> None:
         first = str(err).splitlines()[1:3]
         raise ConfigError(f"trainer.init_from={source}: its weights do not fit this model (same model, norm, "
                           f"placement and classes needed): {' '.join(s.strip() for s in first)}") from err
+    return identify([DataFile(checkpoint.weights_file(source))], verified=False)
 
 
 def check_batch_size(cfg: DictConfig, bundle: DataBundle, batch_size: int, d: Dist) -> None:
@@ -606,6 +613,7 @@ def training_loaders(cfg: DictConfig, bundle: DataBundle, batch_size: int, seeds
     loaders = build_seeded_loaders(bundle, cfg.data, batch_size, seeds, device.type == "cuda", device, rank=d.rank,
                                    world_size=d.world_size, drop_last=drop_last(cfg.data, uses_batch_statistics(cfg.norm)))
     check_last_batch(cfg, loaders[0], batch_size, d)
+    check_step_counts(cfg, loaders[0].steps_per_epoch)  # checked before the run for data of a known size
     return loaders
 
 
@@ -632,7 +640,7 @@ def fit(member: Member, extra_callbacks: list[Callback]) -> None:
     (loaders,) = training_loaders(cfg, bundle, batch_size, [cfg.trainer.seed], device, d)
     model = build_model(cfg.model, cfg.norm, cfg.act.name, bundle.spec).to(device)
     if cfg.trainer.get("init_from"):
-        init_weights(model, Path(cfg.trainer.init_from))
+        summary["init_weights"] = init_weights(model, Path(cfg.trainer.init_from))  # compared by a re-run
         summary["init_from"] = str(cfg.trainer.init_from)
     if d.enabled:  # same initial weights everywhere, then each process its own random stream
         seed_everything(cfg.trainer.seed + d.rank, cfg.trainer.deterministic)
@@ -655,8 +663,12 @@ def outcome_recorded(members: Sequence[Member]) -> Iterator[None]:
     summary.json, with the wall time."""
     started = time.perf_counter()
     try:
-        yield
-    except Preempted:
+        with StopAtOnce():  # a signal before the training loop takes over stops the set-up
+            yield
+    except Preempted as err:
+        for m in members:
+            if m.summary.get("status") == "failed":  # stopped before training: no checkpoint set it
+                m.summary.update(status=err.status, error=str(err))
         raise
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started: no checkpoint
         for m in members:

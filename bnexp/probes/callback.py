@@ -24,6 +24,7 @@ from omegaconf import DictConfig, ListConfig
 from bnexp.engine.callbacks import Callback, TrainState
 from bnexp.support.errors import ConfigError
 from bnexp.support.registry import Registry
+from bnexp.support.untrusted import TABLE_FILE, open_regular
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -215,7 +216,8 @@ def read_probes(run_dir: str | Path) -> pd.DataFrame:
     if not path.is_file():
         return pd.DataFrame(columns=list(COLUMNS))
     try:
-        rows = pd.read_csv(path, dtype={"step": int, "probe": str, "layer": str, "quantity": str, "value": float})
+        with open_regular(path, TABLE_FILE) as f:
+            rows = pd.read_csv(f, dtype={"step": int, "probe": str, "layer": str, "quantity": str, "value": float})
     except (OSError, ValueError) as err:  # pandas' ParserError and a UnicodeDecodeError are ValueErrors
         raise ConfigError(f"damaged {PROBES_FILE} {path}: {type(err).__name__}: {' '.join(str(err).split())}") \
             from None

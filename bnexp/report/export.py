@@ -29,6 +29,7 @@ from bnexp.models import DataSpec, build_model
 from bnexp.support.errors import ConfigError, unknown_choice
 from bnexp.support.options import exit_on_error, output_errors, run_dir_argument, split_options
 from bnexp.support.runinfo import atomic_write, read_run_json, version_stamp
+from bnexp.support.untrusted import CHECKPOINT_FILE, RECORD_FILE, read_regular, read_regular_text
 
 FORMATS = ("torchvision", "safetensors")
 TORCHVISION_ACT = {"resnet18": "relu", "resnet50": "relu", "efficientnet_b0": "swish"}  # torchvision's activation
@@ -85,9 +86,10 @@ def fitted_model(info: Mapping[str, Any], weights: Mapping[str, torch.Tensor], s
 
 def rebuild(path: Path) -> nn.Module:
     """The model a ``format=safetensors`` export holds, weights loaded (eval mode)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
-    return fitted_model(json.loads(Path(f"{path}.json").read_text()), load_file(str(path)), str(path))
+    return fitted_model(json.loads(read_regular_text(f"{path}.json", RECORD_FILE)), load(read_regular(path, CHECKPOINT_FILE)),
+                        str(path))
 
 
 def same_logits(ours: nn.Module, cfg: DictConfig, state: Mapping[str, torch.Tensor], spec: DataSpec) -> None:

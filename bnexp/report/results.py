@@ -31,6 +31,7 @@ from bnexp.engine.identity import fingerprint, flatten, result_config, short_has
 from bnexp.probes.callback import COLUMNS, PROBES_FILE, read_probes
 from bnexp.support.errors import DataError
 from bnexp.support.options import print_warning
+from bnexp.support.untrusted import RECORD_FILE, TABLE_FILE, read_regular_text, text_stream
 
 # The summary fields that tables and plots compute with: a number or null in any summary.
 NUMERIC_FIELDS = re.compile(r"(final|best)_\w+|steps_per_epoch|num_classes|wall_seconds|epochs|steps|params")
@@ -53,7 +54,7 @@ def run_overrides(run_dir: Path) -> dict[str, str]:
     path = run_dir / ".hydra" / "overrides.yaml"
     if not path.is_file():
         return {}
-    lines = parsed(path, lambda p: yaml.safe_load(p.read_text()), (OSError, ValueError, yaml.YAMLError)) or []
+    lines = parsed(path, lambda p: yaml.safe_load(read_regular_text(p, RECORD_FILE)), (OSError, ValueError, yaml.YAMLError)) or []
     if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
         raise DataError(f"{path}: expected a list of key=value lines, got {reprlib.repr(lines)}")
     return dict(line.split("=", 1) for line in lines if "=" in line)
@@ -62,7 +63,7 @@ def run_overrides(run_dir: Path) -> dict[str, str]:
 def read_summary(path: Path) -> dict[str, Any]:
     """A summary.json; a DataError naming it unless it is a JSON object whose ``config`` is
     an object and whose :data:`NUMERIC_FIELDS` are numbers or null."""
-    summary = parsed(path, lambda p: json.loads(p.read_text()))
+    summary = parsed(path, lambda p: json.loads(read_regular_text(p, RECORD_FILE)))
     if not isinstance(summary, dict):
         raise DataError(f"{path}: expected a JSON object, got a {type(summary).__name__}")
     if not isinstance(summary.get("config", {}), dict):
@@ -203,7 +204,8 @@ def number_table(path: Path, read: Callable[[Path], pd.DataFrame], needs: Sequen
 def load_metrics(run_dir: str | Path) -> pd.DataFrame:
     """A run's metrics.csv (empty frame when it is missing or unusable)."""
     path = Path(run_dir) / "metrics.csv"
-    frame = number_table(path, pd.read_csv, ("epoch",), (), "its curves are") if path.is_file() else None
+    frame = (number_table(path, lambda p: pd.read_csv(text_stream(p, TABLE_FILE)), ("epoch",), (), "its curves are")
+             if path.is_file() else None)
     return pd.DataFrame() if frame is None else frame
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import re
+import traceback
 from pathlib import Path
 from typing import Callable, Generic, Iterator, Optional, Sequence, TypeVar
 
@@ -22,6 +24,8 @@ T = TypeVar("T")
 
 # Modules outside bnexp that register norms or models, comma-separated (docs/architecture.md).
 PLUGINS_ENV = "BNEXP_PLUGINS"
+NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")  # a registered name
+_OWN: list[Registry] = []  # the registries filled by bnexp's own packages (norms, models)
 
 
 class Registry(Generic[T]):
@@ -34,22 +38,34 @@ class Registry(Generic[T]):
         self.kind = kind
         self._items: dict[str, T] = {}
         self._package = package
+        if package is not None:
+            _OWN.append(self)
 
     def register(self, name: str) -> Callable[[T], T]:
-        """Decorator that stores ``obj`` under ``name``."""
+        """Decorator that stores ``obj`` under ``name``: letters, digits and ``_`` (a name is a
+        config value, and config files and run folders are named after it), not taken yet.
+        A ConfigError otherwise: it comes from a plugin (bnexp's own names are fixed)."""
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise ConfigError(f"{self.kind} name {name!r} is not valid: use letters, digits and _ (starting with a "
+                              "letter), as bnexp's own names are")
 
         def add(obj: T) -> T:
             if name in self._items:
-                raise ValueError(f"{self.kind} {name!r} registered twice")
+                raise ConfigError(f"{self.kind} {name!r} is registered already (by bnexp or another plugin): give "
+                                  "the plugin's its own name")
             self._items[name] = obj
             return obj
 
         return add
 
-    def _discovered(self) -> dict[str, T]:
+    def import_own(self) -> None:
+        """Import the modules of the package (once: a module registers as it is imported)."""
         if self._package is not None:
-            package, self._package = self._package, None  # once: a module registers as it is imported
+            package, self._package = self._package, None
             import_package_modules(package)
+
+    def _discovered(self) -> dict[str, T]:
+        self.import_own()
         if plugins := plugin_names():
             import_plugins(plugins)
         return self._items
@@ -84,13 +100,31 @@ def plugin_names() -> list[str]:
 
 
 def import_plugins(names: Sequence[str]) -> None:
-    """Import the modules of ``BNEXP_PLUGINS``; one that cannot be imported is a ConfigError."""
+    """Import the modules of ``BNEXP_PLUGINS``; one that cannot be imported (not found, a
+    SyntaxError, an error its code raises, a name a registry refuses) is a ConfigError naming
+    it and where it failed."""
+    for registry in list(_OWN):  # bnexp's own names first: a name a plugin takes again is the plugin's error
+        registry.import_own()
     for name in names:
         try:
             importlib.import_module(name)
         except ImportError as err:
             raise ConfigError(f"{PLUGINS_ENV}={os.environ[PLUGINS_ENV]}: cannot import {name!r} ({err}); name "
                               "importable modules (on PYTHONPATH), separated by commas") from None
+        except Exception as err:  # the module's own code failed (SyntaxError is an Exception too)
+            raise ConfigError(f"{PLUGINS_ENV}={os.environ[PLUGINS_ENV]}: the plugin {name!r} failed as it was "
+                              f"imported{failed_at(err)}: {type(err).__name__}: {' '.join(str(err).split())}; fix it, "
+                              f"or leave it out of {PLUGINS_ENV}") from None
+
+
+def failed_at(err: Exception) -> str:
+    """`` (file, line N)``: where a plugin's import failed, in the plugin's own code."""
+    if isinstance(err, SyntaxError) and err.filename:
+        return f" ({err.filename}, line {err.lineno})"
+    own = Path(__file__).resolve().parents[1]  # bnexp's package: its frames (a registry refusing) are not the plugin's
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith("<") and own not in Path(f.filename).resolve().parents]
+    return f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
 
 
 def plugin_config_dirs() -> list[Path]:

@@ -19,6 +19,7 @@ import torch
 
 import bnexp
 from bnexp.support.errors import ConfigError
+from bnexp.support.untrusted import RECORD_FILE, read_regular_text
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
@@ -208,7 +209,7 @@ def read_run_json(path: Path) -> dict[str, Any]:
     ConfigError naming the file if it cannot be read, does not parse (nesting too deep
     included) or holds something other than an object."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_regular_text(path, RECORD_FILE))
     except (OSError, ValueError, RecursionError) as err:
         raise ConfigError(f"damaged {path.name} {path}: {type(err).__name__}: {' '.join(str(err).split())[:200]}") \
             from None

@@ -32,6 +32,7 @@ from types import TracebackType
 from typing import Any, Optional
 
 from bnexp.support.errors import EXIT_LOCKED, BnexpError
+from bnexp.support.untrusted import SMALL_FILE, read_regular_text
 
 log = logging.getLogger("bnexp.lock")
 
@@ -113,7 +114,7 @@ def join_held_lock() -> None:
     if held is None or _joined:
         return
     try:
-        fd = os.open(held, os.O_RDONLY)
+        fd = os.open(held, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put there opens at once (samestat refuses it)
     except FileNotFoundError:
         fd = -1
     if fd >= 0:
@@ -125,13 +126,20 @@ def join_held_lock() -> None:
     raise RunLocked(f"{held}: the lock of the run this process belongs to is gone (its launcher ended)")
 
 
+MAX_PID = 2**31 - 1  # pid_t's range: a larger number names no process (os.kill would overflow)
+
+
 def read_owner(path: Path) -> dict[str, Any]:
-    """The owner a lock file names (empty when unreadable: half-written by a crashed writer)."""
+    """The owner a lock file names; empty when unreadable (half-written by a crashed writer,
+    not a regular file) or when its ``pid`` is no process ID."""
     try:
-        owner = json.loads(path.read_text())
-    except (OSError, ValueError):
+        owner = json.loads(read_regular_text(path, SMALL_FILE))
+    except (OSError, ValueError, RecursionError):
         return {}
-    return owner if isinstance(owner, dict) else {}
+    pid = owner.get("pid") if isinstance(owner, dict) else None
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid <= MAX_PID:
+        return {}
+    return owner
 
 
 class RunLock:

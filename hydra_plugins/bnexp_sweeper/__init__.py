@@ -6,6 +6,7 @@ Hydra loads plugins only from the ``hydra_plugins`` package; which jobs a multir
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -18,6 +19,8 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from bnexp.app.cells import place, start_list, will_list
 from bnexp.app.sweep import Sweep, describe_jobs, expand, plan, shape_representatives
 from bnexp.engine.identity import run_name
+from bnexp.support.errors import BnexpError, ConfigError
+from bnexp.support.options import print_error
 
 
 class BnexpSweeper(Sweeper):
@@ -48,7 +51,13 @@ class BnexpSweeper(Sweeper):
 
     def sweep(self, arguments: list[str]) -> Any:
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-        jobs = expand(self.sweeps, self.params, arguments, parser)
+        try:
+            jobs = expand(self.sweeps, self.params, arguments, parser)
+            if not jobs:
+                raise ConfigError(f"the sweeps {self.sweeps} make no job: each key of a sweep needs at least one value")
+        except BnexpError as err:  # one line, not Hydra's traceback around it
+            print_error(str(err))
+            sys.exit(err.exit_code)
         sweep_dir = Path(self.config.hydra.sweep.dir)
         listing = will_list(sweep_dir, run_name(self.config.hydra.overrides.task))
         if self.dry_run:
