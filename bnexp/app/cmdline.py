@@ -27,7 +27,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from bnexp.app.compose import config_dir, hydra_session, is_group, parser
-from bnexp.engine.config import meaningless, validate
 from bnexp.support.errors import ConfigError
 
 # Hydra flags followed by a value, and flags after which Hydra does not compose train.yaml
@@ -219,6 +218,8 @@ def check_values(cfg: DictConfig, task: list[str], swept: Sequence[tuple[str, An
     """The values of a composed config, and each swept value in its place: valid
     (:func:`bnexp.engine.config.validate`), group names that match the choices, no norm setting
     that the chosen norm ignores."""
+    from bnexp.engine.config import meaningless, validate  # here: its schema imports torch, which composing does not need
+
     bind(cfg, task)
     for job in [cfg, *(with_value(cfg, key, value) for key, value in swept)]:
         validate(job)

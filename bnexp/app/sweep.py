@@ -30,14 +30,14 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from bnexp.app.compose import is_group
-from bnexp.data.files import identity_problem
-from bnexp.engine.checkpoint import FINAL, read_config, resume_candidates, verified_bytes
-from bnexp.engine.config import lr_not_applicable
 from bnexp.engine.identity import cell_name, differences, fingerprint, override_key, run_differences
 from bnexp.support.errors import EXIT_FAILED, ConfigError, OtherRunThere
 from bnexp.support.runinfo import read_run_json
 from bnexp.support.runlock import HELD_ENV
 
+# The functions that check finished runs import the engine (checkpoints, config rules, data
+# files) in their bodies: those modules load torch, which the table commands, users of this
+# module's sweep expansion, do without.
 log = logging.getLogger("bnexp.app.sweep")
 
 Sweep = Mapping[str, Any]  # one sweep as a preset writes it: key -> value(s) in override syntax
@@ -162,6 +162,9 @@ FINISHED = ("completed", "diverged")
 def skip_reason(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     """Why a job should not train: N/A in the paper, or already completed or diverged with
     these settings. A finished run with other settings is a ConfigError naming what differs."""
+    from bnexp.engine.checkpoint import resume_candidates  # in the function: see the note above `log`
+    from bnexp.engine.config import lr_not_applicable
+
     if lr_not_applicable(cfg):
         return "the paper lists no learning rate for this cell (N/A)"
     if str(cfg.trainer.get("resume", "auto")) == "never":
@@ -199,6 +202,8 @@ def stored_result(path: Path) -> dict[str, Any]:
     naming the file if it is damaged (:func:`read_run_json`), a value of
     :data:`RESULT_TYPES` is of another type, or its record of the data files is not one
     (:func:`~bnexp.data.files.identity_problem`)."""
+    from bnexp.data.files import identity_problem
+
     summary = read_run_json(path)
     for key, (types, what) in RESULT_TYPES.items():
         value = summary.get(key)
@@ -221,6 +226,8 @@ def damage_note(run_dir: Path, cfg: DictConfig, summary: Mapping[str, Any]) -> s
 
 def final_checkpoint_problem(run_dir: Path, summary: Mapping[str, Any]) -> str:
     """What is wrong with a completed run's final checkpoint, if anything."""
+    from bnexp.engine.checkpoint import FINAL, verified_bytes
+
     if summary.get("status") != "completed":
         return ""
     path = run_dir / FINAL
@@ -236,6 +243,8 @@ def final_checkpoint_problem(run_dir: Path, summary: Mapping[str, Any]) -> str:
 def config_problem(run_dir: Path, cfg: DictConfig) -> str:
     """What is wrong with a finished run's config.yaml, if anything: unreadable, or no longer
     the settings ``cfg`` the run was found to have."""
+    from bnexp.engine.checkpoint import read_config
+
     try:
         saved = read_config(run_dir / "config.yaml")
     except ConfigError as err:

@@ -9,13 +9,13 @@ with another one is an error naming the keys that differ (:func:`differences`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-
-from bnexp.data.files import changed_files
 
 # Settings that do not change what a run computes: where it logs, how often it saves or
 # prints, how long its processes wait for each other, which device it runs on, whether it
@@ -61,6 +61,13 @@ def _covered(key: str, prefixes: Iterable[str]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
+@functools.cache
+def _left_out(key: str) -> bool:
+    """Whether :func:`result_config` leaves ``key`` out (a non-result or lookup key), once per
+    key: a table reads the same few hundred keys in every one of its runs."""
+    return _covered(key, NON_RESULT_KEYS + LOOKUP_KEYS)
+
+
 def is_non_result(key: str) -> bool:
     """Whether a config key is one of :data:`NON_RESULT_KEYS` (or under one)."""
     return _covered(key, NON_RESULT_KEYS)
@@ -100,7 +107,11 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
         return {prefix: node}
     out: dict[str, Any] = {}
     for key, value in node.items():
-        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name))
+        else:
+            out[name] = value
     return out
 
 
@@ -108,7 +119,7 @@ def result_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """The resolved config as dotted keys, without the settings that do not change the result."""
     tree = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     tree.pop("hydra", None)
-    flat = {k: _canonical(v) for k, v in flatten(tree).items() if not _covered(k, NON_RESULT_KEYS + LOOKUP_KEYS)}
+    flat = {k: _canonical(v) for k, v in flatten(tree).items() if not _left_out(k)}
     return {k: v for k, v in flat.items() if k not in NEUTRAL_SINCE_ADDED or v != NEUTRAL_SINCE_ADDED[k]}
 
 
@@ -127,6 +138,8 @@ def run_differences(there: Mapping[str, Any], here: Mapping[str, Any],
     """What makes a recorded run (its config ``there`` and the identity of its data files,
     ``data_there``) another run than ``here``: the settings that differ (:func:`differences`),
     then the data files whose content changed since; empty for the same run."""
+    from bnexp.data.files import changed_files  # here: bnexp.data imports torch, which naming runs does not need
+
     settings = [differences(there, here)] if fingerprint(there) != fingerprint(here) else []
     return "; ".join(settings + changed_files(data_there))
 

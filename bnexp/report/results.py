@@ -22,7 +22,6 @@ import pandas as pd
 import yaml
 
 from bnexp.engine.identity import fingerprint, flatten, result_config
-from bnexp.probes.callback import COLUMNS, PROBES_FILE, read_probes
 from bnexp.support.errors import DataError
 from bnexp.support.options import print_warning
 
@@ -134,6 +133,8 @@ def load_metrics(run_dir: str | Path) -> pd.DataFrame:
 
 def load_probes(run_dir: str | Path) -> pd.DataFrame:
     """A run's probes.csv (an empty frame with the columns when it is missing or unusable)."""
+    from bnexp.probes.callback import COLUMNS, PROBES_FILE, read_probes  # here: bnexp.probes imports torch
+
     path = Path(run_dir) / PROBES_FILE
     frame = number_table(path, lambda p: read_probes(p.parent), COLUMNS, ("step", "value"),
                          "its probe values are") if path.is_file() else None

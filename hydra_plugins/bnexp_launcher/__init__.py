@@ -21,11 +21,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus, configure_log, run_job, setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from bnexp.app.jobs import Job, train_pack_job
 from bnexp.app.sweep import distinct_packs, pack_groups
-from bnexp.engine.pack import unpackable
 from bnexp.support.errors import ConfigError
 
+# Hydra imports every plugin module at its first plugin lookup, in every bnexp command that
+# composes a config (a shell completion, a table): the launcher imports the engine, and so
+# torch, in the methods that train.
 log = logging.getLogger(__name__)
 
 
@@ -39,6 +40,8 @@ class PackLauncher(BasicLauncher):
         self.max_pack = max_pack
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from bnexp.engine.pack import unpackable
+
         setup_globals()
         assert self.hydra_context is not None and self.config is not None and self.task_function is not None
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
@@ -73,6 +76,8 @@ class PackLauncher(BasicLauncher):
 
     def _run_pack(self, configs: list[DictConfig]) -> list[JobReturn]:
         """One pack: the first job's Hydra run trains them all; the others get their returns."""
+        from bnexp.app.jobs import train_pack_job
+
         jobs = [_job(config) for config in configs]
         [first] = self._run(configs[0], lambda _: train_pack_job(jobs, sweeping=True))
         if first.status != JobStatus.COMPLETED:
@@ -84,6 +89,8 @@ class PackLauncher(BasicLauncher):
 
 def _job(config: DictConfig) -> Any:
     """A sweep job's config, Hydra config and run directory, as Hydra's run_job works them out."""
+    from bnexp.app.jobs import Job
+
     HydraConfig.instance().set_config(config)
     run_dir = Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
     with read_write(config.hydra.runtime), open_dict(config.hydra.runtime):
