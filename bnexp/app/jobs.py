@@ -38,6 +38,7 @@ from bnexp.support.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, Conf
 from bnexp.support.options import print_error, print_warning
 from bnexp.support.runinfo import storage_error
 from bnexp.support.runlock import HELD_ENV, RunLock, RunLocked
+from bnexp.support.workers import ends_with_parent
 
 log = logging.getLogger("bnexp")
 
@@ -94,6 +95,7 @@ def stored_summary(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
+@ends_with_parent  # in a launcher's worker process (joblib): stop when the sweep's process has ended
 def train_job(cfg: DictConfig) -> float:
     """One Hydra job; returns the run's final top-1 (:func:`result_value`: NaN when it did
     not complete).

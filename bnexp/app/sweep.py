@@ -7,9 +7,11 @@
   ``hydra_plugins.bnexp_sweeper``, where Hydra requires plugins to live;
 - :func:`skip_reason`: a job whose run finished already (or whose paper lr is N/A) is not
   trained again; :func:`spread_over_gpus` gives job ``n`` GPU ``n mod count``;
-- :class:`SweepReport`: the end-of-sweep report. Each job appends its outcome to a ledger
-  file named in the environment at the start of the sweep, which works for in-process,
-  joblib and SLURM launchers alike; the end of the sweep reads it back.
+- :class:`SweepReport`: the end-of-sweep report. Each job appends its outcome to the sweep's
+  ledger, ``<sweep dir>/.sweep-<id>.jsonl``; the id is drawn at the start of the sweep and
+  handed to every job through ``hydra.job.env_set``, which Hydra applies in whichever process
+  runs the job (in-process, a joblib worker kept from an earlier sweep, a SLURM task); the
+  end of the sweep reads the ledger back and deletes it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, read_write
 
 from bnexp.app.compose import is_group
 from bnexp.engine.identity import cell_name, differences, fingerprint, override_key, run_differences
@@ -295,7 +297,7 @@ def spread_over_gpus(job_num: int) -> None:
     if count > 1:
         torch.cuda.set_device(job_num % count)
 
-LEDGER_ENV = "BNEXP_SWEEP_LEDGER"
+SWEEP_ID_ENV = "BNEXP_SWEEP_ID"  # the running sweep's id, in the sweep's process and in each of its jobs
 STATUSES = ("completed", "diverged", "failed", "skipped")
 # Outcomes that leave a cell's result on disk: a sweep of only these exits 0. Diverged is a
 # result (the paper's "collapsed"); failed, locked (running elsewhere), interrupted and
@@ -322,12 +324,22 @@ def plan(count: int) -> None:
     _append({"planned": count})
 
 
+def ledger_file() -> Optional[Path]:
+    """The running sweep's ledger (:class:`SweepReport`): in its folder, relative to where the
+    sweep started; None outside a sweep."""
+    sweep_id = os.environ.get(SWEEP_ID_ENV)
+    if not sweep_id or not HydraConfig.initialized():
+        return None
+    hydra = HydraConfig.get()
+    return Path(str(hydra.runtime.cwd)) / str(hydra.sweep.dir) / f".sweep-{sweep_id}.jsonl"
+
+
 def _append(entry: dict[str, Any]) -> None:
     """One line of the running sweep's ledger; the sweep folder is made on the first line
     (a dry run makes none)."""
-    ledger = os.environ.get(LEDGER_ENV)
+    ledger = ledger_file()
     if ledger and not os.environ.get(HELD_ENV):  # torchrun ranks: their launcher records the run
-        Path(ledger).parent.mkdir(parents=True, exist_ok=True)
+        ledger.parent.mkdir(parents=True, exist_ok=True)
         with open(ledger, "a") as f:
             f.write(json.dumps(entry) + "\n")
 
@@ -349,8 +361,9 @@ def format_report(entries: list[dict[str, Any]], planned: Optional[int] = None, 
 
 def print_sweep_report(stopped: bool = False) -> Optional[list[dict[str, Any]]]:
     """Print the running sweep's report and close its ledger; the entries, or None outside a sweep."""
-    ledger = Path(os.environ.pop(LEDGER_ENV, ""))
-    if not ledger.name or not ledger.is_file():
+    ledger = ledger_file()
+    os.environ.pop(SWEEP_ID_ENV, None)
+    if ledger is None or not ledger.is_file():
         return None
     lines = [json.loads(line) for line in ledger.read_text().splitlines() if line.strip()]
     ledger.unlink()
@@ -369,7 +382,10 @@ class SweepReport(Callback):
         # The sweep folder's name reads ${hydra:overrides.task}, which Hydra only binds per
         # job: bind the sweep's own config first, for this callback, the sweeper and the launcher.
         HydraConfig.instance().set_config(config)
-        os.environ[LEDGER_ENV] = str(Path(config.hydra.sweep.dir) / f".sweep-{uuid.uuid4().hex}.jsonl")
+        sweep_id = uuid.uuid4().hex
+        os.environ[SWEEP_ID_ENV] = sweep_id
+        with read_write(config.hydra.overrides):  # what each job's config is composed with
+            config.hydra.overrides.hydra.append(f"++hydra.job.env_set.{SWEEP_ID_ENV}={sweep_id}")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         entries = print_sweep_report()
