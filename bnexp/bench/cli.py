@@ -107,8 +107,8 @@ def write_run(run: Path, job: Sequence[str], config: dict[str, Any], top1: float
     (run / "train.log").write_text("[bnexp] a run written by bnexp bench cli, not trained\n")
     summary = {"status": "completed", "bnexp_version": "bench", "git_commit": None, "git_dirty": None,
                "torch_version": "bench", "fingerprint": fingerprint(config), "config": config, "final_top1": top1,
-               "best_top1": top1 + 0.1, "final_test_loss": 0.3, "final_train_loss": 0.01, "steps": steps,
-               "epochs": 120.0, "wall_seconds": 240.0, "data_files": {}}
+               "best_top1": top1 + 0.1, "final_top5": top1 + 10, "best_top5": top1 + 10.1, "final_test_loss": 0.3,
+               "final_train_loss": 0.01, "steps": steps, "epochs": 120.0, "wall_seconds": 240.0, "data_files": {}}
     (run / "summary.json").write_text(json.dumps(summary))
 
 
