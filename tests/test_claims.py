@@ -20,6 +20,7 @@ from bnexp.studies.claims import (
     HOLDS,
     NOT_RUN,
     SHOWN,
+    TOO_FEW,
     Sample,
     arm_cells,
     arm_overrides,
@@ -194,7 +195,7 @@ def test_every_claim_runs_through_the_presets_at_toy_size(every_claim: tuple[Pat
     assert code == 0, out[-3000:]
     assert "verdicts are not evidence" in out and "not CIFAR or ImageNet numbers" in out
     table = pd.read_csv(folder / "claims.csv")
-    assert set(table["verdict"]) <= {HOLDS, FAILS, SHOWN, NOT_RUN} and len(table) == 3 + 1 + 8 + 6 + 1 + 1 + 1 + 2
+    assert set(table["verdict"]) <= {HOLDS, FAILS, SHOWN, NOT_RUN, TOO_FEW} and len(table) == 3 + 1 + 8 + 6 + 1 + 1 + 1 + 2
     for claim in CLAIMS.values():  # every run of every claim trained on the real digits
         frame = load_summaries(folder / claim.name)
         assert len(frame) and set(frame["status"]) <= {"completed", "diverged"} and set(frame["data.name"]) == {"digits"}

@@ -15,7 +15,7 @@ from bnexp.reference import published
 from bnexp.report import presets
 from bnexp.report.layouts import same
 from bnexp.report.presets import count, load_preset, preset_names
-from bnexp.report.reproduce import reproduce, stage_one, stage_two
+from bnexp.report.reproduce import reproduce, split_plan, stage_one, stage_two
 from bnexp.report.selection import combos
 from bnexp.report.table import paper_value
 from tests.conftest import QUICK_PRESET, TINY, compose_cfg, copy_runs, read_summary, run_cli
@@ -27,7 +27,9 @@ EXPECTED_RUNS = {
     "cbn/table5": 3 * 2 * 5,  # models x {BN, CBN} x activations, one run each
     "cbn/table6": 4 * 5 * 5 * 10,  # components x activations x lr candidates x seeds
     "cbn/rho": 6 * 5 * 10,
-    "cbn/amat": 3 * 5,
+    "cbn/amat": 4 * 5,  # vanilla BN, CBN without AMAT, fixed eta, AMAT x activations
+    "cbn/grad_norm": 4 * 5,  # components x activations, one run
+    "cbn/eta_tau": 5,
     "popnorm/table1": 2 * 3 * 2 * 2 * 10,  # models x activations x data sets x methods x seeds
     "popnorm/table2": 2,
     "popnorm/kappa": 3 * 3 * 10,
@@ -38,6 +40,7 @@ EXPECTED_RUNS = {
     "bnp/preact110": 4 * 5,
     "bnp/hessian": 2 * 5,
     "bnp/timing": 2 * 3,
+    "bnp/fig7": 3,
     "arora/auto_rate": 5 * 3,
 }
 
@@ -190,6 +193,8 @@ def test_two_stage_tuning_counts(tmp_path: Path) -> None:
     second = stage_two(p, tune_seeds=2)
     assert len(second) == 4 * 5 and all("norm.rho=2.0" in sweep for sweep in second)
     assert count(p, second) == 4 * 5 * 8  # the winners' other 8 seeds: every winner at 10 seeds
+    assert split_plan(p, 2) == ("each tuned cell chooses its rho by the best mean on seeds 0-1 (selection) and is "
+                                "reported and tested on seeds 2-9 (test)")
 
 
 def test_rerun_skips_completed_and_reruns_failed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -250,8 +255,15 @@ def test_same_runs_and_tables_as_before_the_presets_described_their_tables(
     assert code == 0
     assert sorted(str(p.parent.relative_to(root)) for p in root.rglob("summary.json")) == before["runs"]
     ours = table.replace(str(root), "RESULTS")
-    assert masked(ours) == masked(before["table"])
-    assert ours.count("±") == before["table"].count("±")
+    title, recorded = ours.splitlines()[0], before["table"].splitlines()[0]
+    assert title.startswith(f"{recorded} [scale=quick")  # since issue 38 a toy table's title says so
+    assert masked(rows_of(ours)) == masked(rows_of(before["table"]))
+    assert rows_of(ours).count("±") == rows_of(before["table"]).count("±")
+
+
+def rows_of(table: str) -> str:
+    """The table's own lines (header, alignment, cells), without its title and legend."""
+    return "\n".join(line for line in table.splitlines() if line.startswith("|"))
 
 
 def masked(table: str) -> str:

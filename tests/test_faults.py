@@ -420,7 +420,7 @@ def test_table_of_any_sweep(lr_sweep: Path, capsys: pytest.CaptureFixture[str]) 
     assert [c.strip() for c in lines[0].strip("|").split("|")] == ["act", "optim.lr=0.05", "optim.lr=0.1",
                                                                   "optim.lr=0.2"]
     relu = [c.strip() for c in lines[2].strip("|").split("|")]
-    assert relu[0] == "relu" and relu[1].endswith("(2)") and relu[2].endswith("(2)") and relu[3] == "– (0; 1 failed)"
+    assert relu[0] == "relu" and relu[1].endswith("(2)") and relu[2].endswith("(2)") and relu[3] == "– (0 of 1; 1 failed)"
     code, out = run_cli(["table", str(lr_sweep), "metric=top5"], capsys)  # rows: every varying override
     assert code == 0 and "| act   | optim.lr   | top-5" in out
     code, out = run_cli(["table", str(lr_sweep), "rows=actt"], capsys)

@@ -33,11 +33,37 @@ CHANGED = {
         "norm=bn_4things,optim=adam,trainer.batch_size=128",  # BN with 4 things, new
         "norm.groups=4,norm=bn_4things,optim=adam,trainer.batch_size=2",
         "norm.groups=4,norm=bn_4things,optim=adam,trainer.batch_size=1"},
-    "bnp/timing": {f"norm=bn,trainer.batch_size={batch}" for batch in (16, 256, 512)},  # TensorFlow's BN
+    # bnp/timing: its BN cells took TensorFlow's BN in issue 25 and PyTorch's again in issue 38
+    # (an exploratory experiment, run in PyTorch), so they are back to their recorded fingerprints
     "bnp/resnet110": {"norm=bn", "norm=bnp_gn"},  # He et al.'s warmup; He-normal x 0.1
     "bnp/preact110": {"norm=bn", "norm=bnp_gn"},  # He et al.'s warmup; He-normal x 0.4
     "popnorm/ablation": {f"act={act},pop_part=mean_only" for act in ("relu", "sigmoid", "tanh")},  # kappa 1
 }
+# The cells issue 38 changed on purpose (2026-11-28), and the presets it added.
+ACTS5, ACTS3 = ("relu", "selu", "sigmoid", "swish", "tanh"), ("relu", "sigmoid", "tanh")
+ISSUE38 = {
+    # pixels / 255 (the TensorFlow tutorial's input) instead of per-channel standardization: every cell
+    "bnp/fc": {f"norm={norm},paper_data={data},trainer.batch_size={batch}"
+               for data, batch, norms in [("mnist", 60, "none bn bnp ln"), ("cifar10", 60, "none bn bnp ln"),
+                                          ("cifar10", 6, "none bn bnp brn ln"), ("cifar10", 1, "none bnp ln")]
+               for norm in norms.split()},
+    "bnp/cnn5": {"norm=bnp,trainer.batch_size=1", "norm=bnp,trainer.batch_size=128", "norm=bnp,trainer.batch_size=2",
+                 "norm=none,trainer.batch_size=1", "norm=none,trainer.batch_size=2"},  # the cells issue 25 left
+    # POP-Norm's CIFAR batches from a permutation per epoch, not drawn with replacement: every cell
+    "popnorm/table1": {f"act={act},model={model},norm={norm},paper_data={data}" for act in ACTS3
+                       for model in ("resnet20", "vgg16") for norm in ("bn", "popnorm") for data in ("cifar10", "cifar100")},
+    "popnorm/kappa": {f"act={act},norm.rho={kappa}" for act in ACTS3 for kappa in ("1.0", "4.0", "16.0")},
+    "popnorm/ablation": {f"act={act},pop_part={part}" for act in ACTS3
+                         for part in ("bn", "division_only", "none", "popnorm", "mean_only")},
+    # CBN Fig. 10: the grad_var probe on (probes=[grad_var]), and vanilla BN added
+    "cbn/amat": {f"act={act},amat_mode={mode}" for act in ACTS5 for mode in ("adaptive", "bn", "fixed", "off")},
+    # presets added: CBN Fig. 7, CBN Figs. 2-3, BNP Fig. 7
+    "cbn/grad_norm": {f"act={act},cbn_part={part}" for act in ACTS5
+                      for part in ("cbn", "l2_division", "mean_removal", "none")},
+    "cbn/eta_tau": {f"act={act}" for act in ACTS5},
+    "bnp/fig7": {"norm=bn", "norm=bnp_gn", "norm=gn"},
+}
+CHANGED = {name: CHANGED.get(name, set()) | ISSUE38.get(name, set()) for name in CHANGED.keys() | ISSUE38.keys()}
 
 
 def cell_fingerprints(name: str) -> dict[str, str]:

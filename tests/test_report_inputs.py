@@ -51,11 +51,11 @@ def rewrite_summary(path: Path, **fields: object) -> None:
 # in the table: the run counts as failed, is left out (None), or keeps its result)
 CASES: dict[str, tuple[str, Callable[[Path], object], str, str | None]] = {
     "summary_a_list": ("summary.json", lambda p: p.write_text("[1, 2]"),
-                       re.escape("expected a JSON object, got a list; the run counts as failed"), "– (0; 1 failed)"),
+                       re.escape("expected a JSON object, got a list; the run counts as failed"), "– (0 of 1; 1 failed)"),
     "top1_text": ("summary.json", lambda p: rewrite_summary(p, final_top1="abc"),
-                  re.escape("final_top1 is 'abc', not a number; the run counts as failed"), "– (0; 1 failed)"),
+                  re.escape("final_top1 is 'abc', not a number; the run counts as failed"), "– (0 of 1; 1 failed)"),
     "json_200000_deep": ("summary.json", lambda p: p.write_text("[" * 200_000 + "]" * 200_000),
-                         re.escape("nested too deeply to parse; the run counts as failed"), "– (0; 1 failed)"),
+                         re.escape("nested too deeply to parse; the run counts as failed"), "– (0 of 1; 1 failed)"),
     "broken_overrides": (".hydra/overrides.yaml", lambda p: p.write_text("- act=relu\n- [unclosed\n"),
                          r"unreadable \(.*\); the run is left out", None),
     "garbage_metrics": ("metrics.csv", lambda p: p.write_text('\x00garbage"\n1,2,3\n"x'),
@@ -217,7 +217,7 @@ def test_a_metric_that_is_not_a_number_is_one_line(results: Path, capsys: pytest
     summary = results / "relu" / "summary.json"
     assert code == 0 and [line for line in out.splitlines() if line.startswith("bnexp:")] == [
         f"bnexp: warning: {summary}: wall_seconds is 'abc', not a number; the run counts as failed"], out
-    assert "12.00 (1)" in out and "– (0; 1 failed)" in out, out
+    assert "12.00 (1)" in out and "– (0 of 1; 1 failed)" in out, out
     code, out = run_cli(["table", str(results), "metric=status"], capsys)
     assert code == 2 and out.splitlines()[1:] == [  # after the warning about relu's summary, again
         "bnexp: error: metric='status': no run recorded it as a number; valid: top1, top5, seconds_per_epoch, "

@@ -39,13 +39,13 @@ RUNS = [
 EXPECTED = """\
 Test table
 
-| Method          | AMAT   | Sigmoid                | Sigmoid paper   | Sigmoid Δ   | Sigmoid test   | Tanh                 | Tanh paper   | Tanh Δ   | Tanh test   | ReLU                      | ReLU paper   | ReLU Δ   | ReLU test   |
-|:----------------|:-------|:-----------------------|:----------------|:------------|:---------------|:---------------------|:-------------|:---------|:------------|:--------------------------|:-------------|:---------|:------------|
-| 1 BN (baseline) |        | 80.50 ± 0.71 (2)       | 78.97 ± 0.53    | +1.53       | agree p=0.17   | 87.00 (1; 1 missing) | 87.59 ± 0.12 | -0.59    | missing     | 90.00 (1; 1 diverged)     | 91.13 ± 0.09 | -1.13    | missing     |
-| 2 CBN           | x      | 88.50 ± 0.71 (2) rho=2 | 91.20 ± 0.06    | -2.70       | agree p=0.12   | – (0; 2 missing)     | 91.73 ± 0.07 |          | missing     | 91.00 (1; 1 failed) rho=1 | 91.98 ± 0.06 | -0.98    | missing     |
-| Improv.         |        | +8.00                  | +12.23          |             |                |                      | +4.14        |          |             | +1.00                     | +0.85        |          |             |
+| Method          | AMAT   | Sigmoid                | Sigmoid paper   | Sigmoid Δ   | Sigmoid test                                         | Tanh                      | Tanh paper   | Tanh Δ   | Tanh test   | ReLU                           | ReLU paper   | ReLU Δ   | ReLU test   |
+|:----------------|:-------|:-----------------------|:----------------|:------------|:-----------------------------------------------------|:--------------------------|:-------------|:---------|:------------|:-------------------------------|:-------------|:---------|:------------|
+| 1 BN (baseline) |        | 80.50 ± 0.71 (2)       | 78.97 ± 0.53    | +1.53       | agree p=0.17                                         | 87.00 (1 of 2; 1 missing) | 87.59 ± 0.12 | -0.59    | missing     | 90.00 (1 of 2; 1 diverged)     | 91.13 ± 0.09 | -1.13    | missing     |
+| 2 CBN           | x      | 88.50 ± 0.71 (2) rho=2 | 91.20 ± 0.06    | -2.70       | agree p=0.23 (selected on these runs among 2: p × 2) | – (0 of 2; 2 missing)     | 91.73 ± 0.07 |          | missing     | 91.00 (1 of 2; 1 failed) rho=1 | 91.98 ± 0.06 | -0.98    | missing     |
+| Improv.         |        | +8.00                  | +12.23          |             |                                                      |                           | +4.14        |          |             | +1.00                          | +0.85        |          |             |
 
-cell: mean ± std (completed runs; diverged, failed and missing runs); paper: the published value; Δ: ours minus paper
+cell: mean ± std (completed runs; where some are not, 'n of N' and the diverged, failed and missing runs); paper: the published value; Δ: ours minus paper
 """
 
 
@@ -92,7 +92,7 @@ def test_table_command_on_a_results_folder(tmp_path: Path, capsys: pytest.Captur
     rows = [line.split("|")[1].strip() for line in lines if line.startswith("| ")][1:]
     assert rows == ["1 BN (baseline)", "2 CBN", "Improv.", "3", "Improv.", "4", "Improv.", "5", "Improv.",
                     "6", "Improv.", "7", "Improv."]
-    assert "– (0; 10 missing)" in out and "90.00 (1; 1 diverged, 8 missing)" in out
+    assert "– (0 of 10; 10 missing)" in out and "90.00 (1 of 10; 1 diverged, 8 missing)" in out
     assert run_cli(["table", "cbn/table9"], capsys)[0] == 2
 
 
@@ -133,8 +133,9 @@ def test_table_tests_each_cell_against_the_published_runs(tmp_path: Path, capsys
                                                                                           "agree"]
     assert table["1 BN (baseline)"]["SELU test"] == "missing" and table["3"]["ReLU test"] == "missing"
     assert table["2 CBN"]["SELU paper"] == "91.57" and table["2 CBN"]["SELU test"] == ""
-    assert out.rstrip().splitlines()[-1] == ("Welch test at level 0.05 over the cells with a published mean ± std: "
-                                             "2 agree, 2 differ, 30 missing")
+    counts, _, runs = out.rstrip().splitlines()[-3:]
+    assert counts == "Welch test at level 0.05 over the cells with a published mean ± std: 2 agree, 2 differ, 30 missing"
+    assert runs == "Runs: 14 of 350 completed, 0 diverged, 0 failed, 336 missing"
 
 
 def write_lr_run(root: Path, lr: float, first_epoch_loss: float, probe_losses: tuple[float, ...] | None,
@@ -163,14 +164,14 @@ def test_table6_stability_compares_the_loss_probe_at_step_0_and_the_end(tmp_path
     # (1.5) is below it, a collapse; lr 0.1 lowers the loss and is the largest stable lr
     write_lr_run(tmp_path, 1.0, first_epoch_loss=5.0, probe_losses=(1.5, 2.0))
     write_lr_run(tmp_path, 0.1, first_epoch_loss=2.5, probe_losses=(2.3, 1.0))
-    assert relu_cbn_cell(tmp_path) == "50.10 (1; 9 missing) lr=0.1"  # the preset runs 10 seeds
+    assert relu_cbn_cell(tmp_path) == "50.10 (1 of 10; 9 missing) lr=0.1"  # the preset runs 10 seeds
 
 
 def test_table6_counts_a_collapse_to_chance_as_unstable(tmp_path: Path) -> None:
     # lr 1 lowers the loss from 6.0 to ln(10), where a constant prediction sits, at 10 % top-1
     write_lr_run(tmp_path, 1.0, first_epoch_loss=5.0, probe_losses=(6.0, math.log(10)), top1=10.0)
     write_lr_run(tmp_path, 0.1, first_epoch_loss=2.5, probe_losses=(2.3, 1.0))
-    assert relu_cbn_cell(tmp_path) == "50.10 (1; 9 missing) lr=0.1"  # the preset runs 10 seeds
+    assert relu_cbn_cell(tmp_path) == "50.10 (1 of 10; 9 missing) lr=0.1"  # the preset runs 10 seeds
 
 
 def test_table6_needs_the_loss_probe(tmp_path: Path) -> None:

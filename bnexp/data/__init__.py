@@ -35,6 +35,8 @@ class DataBundle:
 def _from_arrays(load: Callable[[Mapping[str, Any]], ArrayData]) -> Callable[[Mapping[str, Any]], DataBundle]:
     def build(cfg: Mapping[str, Any]) -> DataBundle:
         arrays = load(cfg)
+        if not cfg.get("standardize", True):  # pixels / 255 as they are: the one normalization with mean 0, std 1
+            arrays.mean, arrays.std = (0.0,) * len(arrays.mean), (1.0,) * len(arrays.std)
         train, test = torch_datasets(arrays, cfg)
         return DataBundle(train, test, arrays.spec, arrays)
 

@@ -129,6 +129,7 @@ class DataKeys(TypedDict, total=False):
     split_seed: Annotated[int, Field(ge=0, le=MAX_SEED)]
     test_fraction: Annotated[float, Field(gt=0, lt=1)]
     sampling: choice(SAMPLINGS)
+    standardize: bool  # false: images / 255 in [0, 1] (BNP's TensorFlow nets); true: minus the mean, over the std
     drop_last: Optional[bool]
     augment: bool
     aug: str

@@ -29,6 +29,8 @@ LABELS = {
 METRICS = {"top1": "final_top1", "top5": "final_top5", "seconds_per_epoch": "seconds_per_epoch"}
 METRIC_LABELS = {"top1": "top-1", "top5": "top-5", "seconds_per_epoch": "s/epoch"}
 SELECTIONS = ("best", "max_stable")  # a tuned cell reports the best mean, or the largest stable value
+# Keys of a report block's ``figure`` (bnexp.report.plot.FigureSpec): the paper's figure of the preset.
+FIGURE_KEYS = ("series", "overlay", "x", "log", "rows", "title", "kind", "layers")
 
 
 def same(a: Any, b: Any) -> bool:
@@ -94,6 +96,7 @@ class Layout:
     flags: Mapping[str, frozenset[Any]] = field(default_factory=dict)  # extra row columns: rows marked x
     sweeps: tuple[Mapping[str, Sequence[str]], ...] = ()  # each sweep's values per override key
     fixed: Mapping[str, Any] = field(default_factory=dict)  # axis key -> its value where no sweep sets it
+    figure: Mapping[str, Any] = field(default_factory=dict)  # how bnexp plot draws it (FIGURE_KEYS)
 
     @property
     def axes(self) -> tuple[Axis, ...]:
@@ -121,6 +124,10 @@ def layout_from(report: Mapping[str, Any], sweeps: Sequence[Mapping[str, Sequenc
     select = tune.get("select", "best")
     if select not in SELECTIONS:
         raise ConfigError(f"report.tune.select={select!r} is not valid; valid choices: {', '.join(SELECTIONS)}")
+    figure = dict(report.get("figure") or {})
+    unknown = sorted(set(figure) - set(FIGURE_KEYS))
+    if unknown:
+        raise ConfigError(f"report.figure.{unknown[0]} is not a figure setting; valid: {', '.join(FIGURE_KEYS)}")
     return Layout(
         title=report["title"], rows=tuple(map(axis_from, report["rows"])),
         columns=tuple(map(axis_from, report["columns"])), paper=report.get("paper"),
@@ -128,5 +135,5 @@ def layout_from(report: Mapping[str, Any], sweeps: Sequence[Mapping[str, Sequenc
         metrics=tuple(report.get("metrics") or ("top1",)), tune=tune.get("key"), tune_name=tune.get("name", "rho"),
         tuned_rows=frozenset(tune.get("rows") or ()), select=select, improv=bool(report.get("improv", False)),
         flags={flag: frozenset(rows) for flag, rows in (report.get("flags") or {}).items()},
-        sweeps=tuple(sweeps), fixed=dict(fixed or {}),
+        sweeps=tuple(sweeps), fixed=dict(fixed or {}), figure=figure,
     )

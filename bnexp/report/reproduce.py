@@ -7,7 +7,8 @@ docs/speed.md). A full-scale
 preset stops before launching on a machine without a GPU unless ``force=true``.
 ``tune_seeds=N`` runs a preset whose table tunes a parameter for the best mean (the rho
 of CBN Tables 1-4) in two stages: the sweeps that vary it on seeds 0..N-1 (the others on
-every seed), then each of their cells at its winning value on the remaining seeds.
+every seed), then each of their cells at its winning value on the remaining seeds; its
+table then tests each tuned cell on those remaining seeds only (selection apart from testing).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from bnexp.app.sweep import describe_jobs
 from bnexp.app.train import multirun
 from bnexp.report.presets import SEED, Preset, count, estimate, load_preset, parse_command, preset_overrides
 from bnexp.report.results import load_summaries
-from bnexp.report.selection import best_choice, preset_runs, select
-from bnexp.report.table import table_text
-from bnexp.support.errors import EXIT_CONFIG, ConfigError
+from bnexp.report.selection import best_choice, preset_runs, select, tuned_key
+from bnexp.report.table import seed_count, table_text
+from bnexp.support.errors import EXIT_CONFIG
 from bnexp.support.options import exit_on_error
 
 Lines = list[str]  # one command-line sweep, "key=value" lines
@@ -41,14 +42,6 @@ def default_launcher(overrides: Sequence[str]) -> list[str]:
 
     chosen = any(o.lstrip("+~").startswith("hydra/launcher=") for o in overrides)
     return ["hydra/launcher=pack"] if torch.cuda.is_available() and not chosen else []
-
-
-def tuned_key(p: Preset) -> str:
-    """The parameter the preset's table tunes for the best mean; an error without one."""
-    if p.layout.tune is None or p.layout.select != "best":
-        raise ConfigError(f"tune_seeds applies to presets whose table tunes a parameter for the best mean "
-                          f"(cbn/table1-4), not {p.name}")
-    return p.layout.tune
 
 
 def stage_one(p: Preset, tune_seeds: int) -> list[Lines]:
@@ -105,15 +98,24 @@ def reproduce(name: str, scale: str = "full", force: bool = False, tune_seeds: i
         codes = [launch(p)]
     else:
         first = stage_one(p, tune_seeds)
-        print(f"bnexp reproduce {name} (scale {scale}, tune_seeds={tune_seeds}): stage 1, {count(p, first)} of the "
-              f"{estimate(p)} of the full grid; results in {p.results_dir}", flush=True)
+        print(f"bnexp reproduce {name} (scale {scale}, tune_seeds={tune_seeds}): {split_plan(p, tune_seeds)}\n"
+              f"stage 1, {count(p, first)} of the {estimate(p)} of the full grid; results in {p.results_dir}",
+              flush=True)
         gate(p, force)
         codes = [launch(p, sweep) for sweep in first]
         second = stage_two(p, tune_seeds)
         print(f"bnexp reproduce {name}: stage 2, {count(p, second)} runs at the winning {p.layout.tune_name}",
               flush=True)
         codes += [launch(p, sweep) for sweep in second]
-    return table_text(p, p.results_dir), max(codes)
+    return table_text(p, p.results_dir, tune_seeds=tune_seeds), max(codes)
+
+
+def split_plan(p: Preset, tune_seeds: int) -> str:
+    """The selection/test split of a two-stage run, as the plan states it."""
+    later = [s for s in p.seeds if s >= tune_seeds]
+    tested = f"seeds {later[0]}-{later[-1]}" if later else "no seed (add seeds: trainer.seed=range(10))"
+    return (f"each tuned cell chooses its {p.layout.tune_name} by the best mean on seeds 0-{tune_seeds - 1} "
+            f"(selection) and is reported and tested on {tested} (test)")
 
 
 def dry_run(name: str, scale: str = "full", overrides: Sequence[str] = ()) -> str:
@@ -137,7 +139,7 @@ def reproduce_for(args: list[str]) -> None:
     if opts["dry_run"].lower() in TRUE:
         print(dry_run(name, opts["scale"], overrides), end="")
         return
-    tune = int(opts["tune_seeds"]) if opts["tune_seeds"] else None
+    tune = seed_count(opts["tune_seeds"], "tune_seeds")
     table, code = reproduce(name, opts["scale"], opts["force"].lower() in TRUE, tune, overrides)
     print(table, end="", flush=True)
     if code:

@@ -7,6 +7,10 @@ in one warning line on stderr, and the command goes on without it: a run whose
 summary.json is unusable counts as failed (as a half-written one does); a run whose
 ``.hydra/overrides.yaml`` is unusable is left out, as it cannot be placed in a cell; an
 unusable metrics.csv or probes.csv leaves out that run's curves or probe values.
+
+A copy of a run inside the tree (``cp -r RUN RUN.bak``, an ``old/`` folder) is the same run:
+:func:`load_summaries` counts each run once, by what identifies it (:func:`run_identity`), and
+says which copy it took. :func:`load_runs` is the documented entry point for scripts.
 """
 
 from __future__ import annotations
@@ -16,12 +20,12 @@ import math
 import re
 import reprlib
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import pandas as pd
 import yaml
 
-from bnexp.engine.identity import fingerprint, flatten, result_config
+from bnexp.engine.identity import fingerprint, flatten, result_config, short_hash
 from bnexp.support.errors import DataError
 from bnexp.support.options import print_warning
 
@@ -67,6 +71,34 @@ def read_summary(path: Path) -> dict[str, Any]:
     return summary
 
 
+def run_identity(summary: Mapping[str, Any]) -> Optional[str]:
+    """What makes a run this run, whatever folder holds it: the fingerprint its summary
+    recorded, the digests of its data files (not their paths) and any other digest it records
+    (the starting weights'); None for a summary that recorded no fingerprint (made by hand or
+    by a bnexp too old to record one), which is never taken for a copy of another."""
+    recorded = summary.get("fingerprint")
+    if not isinstance(recorded, str):
+        return None
+    digests = sorted(str(v) for k, v in _digest_fields(summary) if k != "config")
+    return short_hash(json.dumps([recorded, digests]), 24)
+
+
+def _digest_fields(node: Any, depth: int = 0) -> list[tuple[str, Any]]:
+    """Every ``(key, value)`` under ``node`` whose key names a digest (md5, sha256, digest),
+    the run's config left out; a few levels deep (``data_files`` -> path -> md5)."""
+    if not isinstance(node, Mapping) or depth > 4:
+        return []
+    found = []
+    for key, value in node.items():
+        if key == "config" and depth == 0:
+            continue
+        if isinstance(value, Mapping):
+            found += _digest_fields(value, depth + 1)
+        elif any(word in str(key).lower() for word in ("md5", "sha256", "digest")):
+            found.append((str(key), value))
+    return found
+
+
 def summary_row(path: Path) -> Optional[dict[str, Any]]:
     """One run: status, metrics, the config flattened to dotted keys (``act.name``), the
     job's overrides as ``overrides.<key>`` (``overrides.cbn_row``: the values its sweep gave),
@@ -81,6 +113,7 @@ def summary_row(path: Path) -> Optional[dict[str, Any]]:
     where = {**overrides, "run_dir": str(path.parent)}
     try:
         summary = read_summary(path)
+        where["run_identity"] = run_identity(summary)
         config = summary.pop("config", {})
         row = {**flatten(config), **{k: v for k, v in summary.items() if not isinstance(v, (dict, list))}}
         identity = {"result_config": result_config(config), "fingerprint": fingerprint(config)}
@@ -100,9 +133,39 @@ def failed_row(err: DataError, where: dict[str, str]) -> dict[str, Any]:
 
 
 def load_summaries(results: Path) -> pd.DataFrame:
-    """Every summary.json under ``results`` (recursively), one row each."""
+    """Every run under ``results`` (a summary.json, found recursively), one row each, a run
+    that sits there more than once counted once (:func:`counted_once`)."""
     rows = [row for row in map(summary_row, sorted(Path(results).rglob("summary.json"))) if row is not None]
-    return pd.DataFrame(rows)
+    return counted_once(pd.DataFrame(rows), Path(results))
+
+
+# Which copy of a run a table takes: a completed one first, then a diverged one; then the
+# copy nearest the top of the tree (a backup is usually deeper: old/RUN), then by path.
+STATUS_RANK = {"completed": 0, "diverged": 1}
+SHOWN_COPIES = 5  # copies named one by one in the warning; the rest are counted
+
+
+def counted_once(frame: pd.DataFrame, results: Path) -> pd.DataFrame:
+    """``frame`` with one row per run: rows of the same :func:`run_identity` are copies of one
+    run, of which the first by :data:`STATUS_RANK`, depth and path is kept. A warning names the
+    copy taken and those left out."""
+    if frame.empty or "run_identity" not in frame or not frame["run_identity"].notna().any():
+        return frame
+    status = frame["status"] if "status" in frame else pd.Series(None, index=frame.index)
+    order = frame.assign(_rank=status.map(lambda s: STATUS_RANK.get(s, 2)),
+                         _depth=frame["run_dir"].map(lambda d: len(Path(d).parts)))
+    order = order.sort_values(["_rank", "_depth", "run_dir"], kind="stable")
+    copies = order["run_identity"].notna() & order.duplicated("run_identity")
+    if not copies.any():
+        return frame
+    kept = order[~copies]
+    taken = dict(zip(kept["run_identity"], kept["run_dir"]))
+    ignored = order[copies].groupby("run_identity", sort=False)["run_dir"].apply(list)
+    lines = [f"took {taken[key]}, ignored {', '.join(dirs)}" for key, dirs in list(ignored.items())[:SHOWN_COPIES]]
+    more = f"; and {len(ignored) - SHOWN_COPIES} more runs" if len(ignored) > SHOWN_COPIES else ""
+    print_warning(f"{len(ignored)} run(s) under {results} sit there more than once (the same recorded fingerprint, "
+                  f"data and starting weights): each is counted once: {'; '.join(lines)}{more}")
+    return frame.loc[sorted(kept.index)].reset_index(drop=True)
 
 
 def number_table(path: Path, read: Callable[[Path], pd.DataFrame], needs: Sequence[str], numeric: Sequence[str],
@@ -148,3 +211,22 @@ def seconds_per_epoch(run_dir: str | Path, steps_per_epoch: float) -> float:
     totals = load_probes(run_dir).query("probe == 'time'").groupby("quantity")["value"].sum()
     steps = totals.get("epoch_steps", 0.0)
     return float(totals["epoch_s"] / steps * steps_per_epoch) if steps else math.nan
+
+
+def load_runs(path: str | Path) -> pd.DataFrame:
+    """Every run under ``path``, one row each (a copy of a run counted once): its config as
+    dotted columns (``optim.lr``, ``norm.name``), its summary (``status``, ``final_top1``,
+    ``best_top1``, ``wall_seconds``, ...), the overrides its sweep gave (``overrides.<key>``),
+    ``run_dir``, ``fingerprint``, and its last metrics.csv row as ``metrics.<column>``
+    (``metrics.test_acc``: the last evaluation, also of a run that stopped early).
+
+    >>> from bnexp.report import load_runs
+    >>> runs = load_runs("results/cbn/table1")
+    >>> runs.groupby(["tags.row", "act.name"])["final_top1"].agg(["mean", "std", "count"])
+    """
+    frame = load_summaries(Path(path))
+    if frame.empty:
+        return frame
+    last = [load_metrics(run).tail(1).add_prefix("metrics.").reset_index(drop=True) for run in frame["run_dir"]]
+    metrics = pd.concat([row if len(row) else pd.DataFrame(index=[0]) for row in last], ignore_index=True)
+    return pd.concat([frame.drop(columns=["result_config", "run_identity"], errors="ignore"), metrics], axis=1)

@@ -15,6 +15,7 @@ from bnexp.engine.identity import differences, is_non_result
 from bnexp.report.layouts import Layout, same
 from bnexp.report.presets import Preset
 from bnexp.report.stability import largest_stable
+from bnexp.support.errors import ConfigError
 
 REPLICATES = ("trainer.seed",)  # overrides whose runs a cell pools
 
@@ -50,6 +51,15 @@ def choose(layout: Layout, runs: pd.DataFrame, metric: str) -> Any:
     if not len(runs):
         return None
     return best_choice(runs, layout.tune, metric) if layout.select == "best" else largest_stable(runs, layout.tune)
+
+
+def tuned_key(p: Preset) -> str:
+    """The parameter the preset's table tunes for the best mean (what ``tune_seeds`` splits);
+    an error without one."""
+    if p.layout.tune is None or p.layout.select != "best":
+        raise ConfigError(f"tune_seeds applies to presets whose table tunes a parameter for the best mean "
+                          f"(cbn/table1-4), not {p.name}")
+    return p.layout.tune
 
 
 def combos(axes: Sequence[Any]) -> list[dict[str, Any]]:
@@ -94,3 +104,16 @@ def varying(frame: pd.DataFrame) -> list[str]:
     keys = [c.removeprefix("overrides.") for c in frame.columns if c.startswith("overrides.")]
     return [k for k in keys if k not in REPLICATES and not is_non_result(k)
             and frame[f"overrides.{k}"].astype(str).nunique(dropna=False) > 1]
+
+
+def unlike_paper(p: Preset, runs: pd.DataFrame) -> str:
+    """Why the runs of preset ``p`` cannot be compared with the paper's numbers (empty when
+    they can): a toy scale, or data other than the paper's (``data=digits``: a run's
+    ``data.name`` differs from the data set its preset names, ``tags.data``)."""
+    if p.scale != "full":
+        return f"scale={p.scale}, toy runs on synthetic data, not comparable with the paper"
+    named = [(p.cfg.data.name, p.cfg.tags.get("data"))]
+    if {"data.name", "tags.data"} <= set(runs.columns):
+        named += list(zip(runs["data.name"], runs["tags.data"]))
+    other = sorted({str(used) for used, paper in named if paper is not None and used != paper})
+    return f"data {', '.join(other)}, not the paper's: not comparable with the paper" if other else ""

@@ -3,16 +3,19 @@ DIR rows=KEY cols=KEY``: any sweep's results grouped by the overrides that vary.
 
 Each cell is ``mean ± std (n)`` over the completed runs, beside the published value, the
 difference and, where the paper printed a spread and its run count, a verdict: a two-sided
-Welch test at level :data:`LEVEL` (:func:`verdict`), counted in a closing line. Runs that
-diverged or failed, and runs the sweep should have made but did not, are counted in the
-cell's parentheses, never dropped silently. A preset's table
-counts only the runs whose fingerprint is one of its cells' (:attr:`Preset.expected`); the
-others in its folder are reported as not in the table.
+Welch test at level :data:`LEVEL` (:func:`verdict`; a tuned cell's adjusted for its
+selection, or chosen on held-apart seeds with ``tune_seeds``), optionally an equivalence
+test, all read together in closing lines (:func:`legend_of`). Runs that diverged or failed,
+and runs the sweep should have made but did not, are counted in the cell (``8 of 10; 2
+diverged``) and in the closing lines, never dropped silently. A preset's table counts only
+the runs whose fingerprint is one of its cells' (:attr:`Preset.expected`); the others in its
+folder are reported as not in the table. Runs at a toy scale or on other data get no verdict.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import io
 import itertools
@@ -22,13 +25,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import pandas as pd
-from scipy import stats as scipy_stats
 
 from bnexp.reference import published
 from bnexp.report.layouts import METRIC_LABELS, METRICS, Layout, same
 from bnexp.report.presets import SEED, Preset, load_preset, parse_command, sweep_folder
 from bnexp.report.results import load_summaries, seconds_per_epoch
-from bnexp.report.selection import choose, combos, preset_runs, select, varying
+from bnexp.report.selection import choose, combos, completed, preset_runs, select, tuned_key, unlike_paper, varying
+from bnexp.report.verdicts import benjamini_hochberg, holm, selection_adjusted, tost, welch, welch_p
 from bnexp.support.errors import ConfigError, unknown_choice
 from bnexp.support.options import OUT_ELSEWHERE, exit_on_error, output_errors
 from bnexp.support.runinfo import atomic_write
@@ -36,18 +39,37 @@ from bnexp.support.runinfo import atomic_write
 FORMATS = ("markdown", "latex", "csv", "html")
 # Characters of bnexp's tables that pdflatex does not take as they are, and what it takes.
 LATEX_TEXT = {"±": r"$\pm$", "Δ": r"$\Delta$", "–": "--", "×": r"$\times$", "ρ": r"$\rho$", "η": r"$\eta$",
-              "κ": r"$\kappa$", "τ": r"$\tau$", "≤": r"$\leq$", "≥": r"$\geq$"}
+              "κ": r"$\kappa$", "τ": r"$\tau$", "≤": r"$\leq$", "≥": r"$\geq$", "≡": r"$\equiv$",
+              "≢": r"$\not\equiv$"}
 LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
                  "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
 LEVEL = 0.05  # level of the two-sided Welch test of a cell against its published mean ± std
+DEFAULT_MARGIN = 1.0  # equivalence=on: within one point (of top-1 %) of the published mean
 # Characters of cell texts that would change a markdown table: raw HTML, a column break, a backslash
 # escape, a line break; written as markdown shows them as text.
 MARKDOWN_SPECIAL = {"\\": "\\\\", "|": "\\|", "<": "\\<", "\n": " ", "\r": " "}
-LEGEND = ("cell: mean ± std (completed runs; diverged, failed and missing runs); "
+LEGEND = ("cell: mean ± std (completed runs; where some are not, 'n of N' and the diverged, failed and missing runs); "
           "paper: the published value; Δ: ours minus paper")
 TEST_LEGEND = (f"test: two-sided Welch t-test of our runs against the published mean ± std and run count at level "
                f"{LEVEL:g}, agree (p ≥ {LEVEL:g}) or differ, with its p-value; missing: fewer than 2 completed runs")
 VERDICTS = ("agree", "differ", "missing")
+
+
+@dataclass(frozen=True)
+class Tests:
+    """How a preset's cells are tested: ``margin`` (points) for the equivalence test (None:
+    none), ``tune_seeds`` (a tuned cell's setting is chosen on the seeds below it and tested on
+    the others; None: chosen on the tested runs, as the papers did), ``unlike_paper`` (why the
+    runs cannot be compared with the paper's, :func:`~bnexp.report.selection.unlike_paper`:
+    then no verdicts at all)."""
+
+    margin: float | None = None
+    tune_seeds: int | None = None
+    unlike_paper: str = ""
+
+    @property
+    def comparable(self) -> bool:
+        return not self.unlike_paper
 
 
 @dataclass
@@ -61,21 +83,28 @@ class Cell:
     failed: int = 0
     missing: int = 0
     choice: Any = None  # the tuned value reported (best rho, largest stable lr)
+    candidates: int = 1  # > 1: the choice was made among this many values on the runs reported
 
     def text(self, tune_name: str) -> str:
         value = "–" if self.n == 0 else f"{self.mean:.2f}" if self.n == 1 else f"{self.mean:.2f} ± {self.std:.2f}"
         notes = [f"{count} {what}" for what, count in
                  (("diverged", self.diverged), ("failed", self.failed), ("missing", self.missing)) if count]
-        counts = f"({self.n}{'; ' + ', '.join(notes) if notes else ''})"
+        counts = f"({self.n} of {self.total}; {', '.join(notes)})" if notes else f"({self.n})"
         tuned = f" {tune_name}={self.choice:g}" if self.choice is not None else ""
         return f"{value} {counts}{tuned}"
 
+    @property
+    def total(self) -> int:
+        """The runs the cell should have: completed, diverged, failed and missing."""
+        return self.n + self.diverged + self.failed + self.missing
+
 
 def stats(runs: pd.DataFrame, metric: str, expected: int, choice: Any = None) -> Cell:
-    """Mean and sample std of ``metric`` over completed runs; the other runs counted."""
+    """Mean and sample std of ``metric`` over completed runs that recorded a finite value; the
+    other runs counted (a completed run without a finite value counts as failed)."""
     status = runs["status"] if "status" in runs else pd.Series(dtype=str)
     done = runs.loc[status == "completed", metric].astype(float) if metric in runs else pd.Series(dtype=float)
-    done = done[done.notna()]
+    done = done[done.map(math.isfinite)]
     n, diverged = len(done), int((status == "diverged").sum())
     std = float(done.std(ddof=1)) if n > 1 else math.nan
     mean = float(done.mean()) if n else math.nan
@@ -83,21 +112,40 @@ def stats(runs: pd.DataFrame, metric: str, expected: int, choice: Any = None) ->
     return Cell(mean, std, n, diverged, len(runs) - n - diverged, max(0, expected - len(runs)), choice)
 
 
-def expected_runs(layout: Layout, keys: Mapping[str, Any], default_seed: int) -> int:
-    """How many runs a cell should have: its sweep's seeds (0 for a cell no sweep makes)."""
+def expected_runs(layout: Layout, keys: Mapping[str, Any], default_seed: int, tests: Tests = Tests()) -> int:
+    """How many runs a cell should have: its sweep's seeds (0 for a cell no sweep makes); a
+    cell tuned on held-apart seeds, the seeds it is tested on."""
     sweep = layout.sweep_of(keys)
-    return 0 if sweep is None else len(sweep.get(SEED, [default_seed]))
+    seeds = [] if sweep is None else [int(s) for s in sweep.get(SEED, [default_seed])]
+    return len([s for s in seeds if not held_apart(layout, keys, tests) or s >= tests.tune_seeds])
 
 
-def cell(frame: pd.DataFrame, layout: Layout, keys: Mapping[str, Any], metric: str, expected: int) -> Cell:
-    """One cell; a tuned cell reports the winning value's runs."""
+def held_apart(layout: Layout, keys: Mapping[str, Any], tests: Tests) -> bool:
+    """Whether this cell's tuned value is chosen on seeds other than those it is tested on."""
+    return tests.tune_seeds is not None and layout.is_tuned(keys) and layout.select == "best"
+
+
+def cell(frame: pd.DataFrame, layout: Layout, keys: Mapping[str, Any], metric: str, expected: int,
+         tests: Tests = Tests()) -> Cell:
+    """One cell; a tuned cell reports the winning value's runs: with ``tests.tune_seeds``, the
+    value with the best mean on the seeds below it and its runs on the others; without, the
+    value with the best mean and the same runs (counting the values it was chosen among)."""
     runs = select(frame, keys)
     if not layout.is_tuned(keys):
         return stats(runs, metric, expected)
+    if held_apart(layout, keys, tests):
+        seeds = runs[SEED].astype(int) if SEED in runs else pd.Series(dtype=int)
+        choice = choose(layout, runs[seeds < tests.tune_seeds], metric)
+        tested = runs[seeds >= tests.tune_seeds]
+        return stats(select(tested, {layout.tune: choice}) if choice is not None else tested.iloc[0:0], metric,
+                     expected, choice)
     choice = choose(layout, runs, metric)
     if choice is None:
         return stats(runs.iloc[0:0], metric, expected)
-    return stats(select(runs, {layout.tune: choice}), metric, expected, choice)
+    found = stats(select(runs, {layout.tune: choice}), metric, expected, choice)
+    if layout.select == "best":
+        found.candidates = int(completed(runs, metric)[layout.tune].nunique())
+    return found
 
 
 class Published(NamedTuple):
@@ -127,24 +175,42 @@ def fmt_paper(value: Published | None) -> str:
     return f"{value.mean:.2f}" if math.isnan(value.std) else f"{value.mean:.2f} ± {value.std:.2f}"
 
 
-def welch_p(ours: Cell, paper: Published) -> float:
-    """The two-sided p-value of Welch's t-test between our runs and the published ones
-    (sample standard deviations, Welch-Satterthwaite degrees of freedom). Two groups
-    without spread: 1 when their means are equal (scipy gives NaN), 0 otherwise."""
-    p = scipy_stats.ttest_ind_from_stats(ours.mean, ours.std, ours.n, paper.mean, paper.std, int(paper.runs),
-                                         equal_var=False).pvalue
-    return 1.0 if math.isnan(p) else float(p)
+@dataclass(frozen=True)
+class Verdict:
+    """A cell's test against its published value: ``p`` (Welch's, selection-adjusted for a
+    cell chosen on its own runs), the equivalence test's p-value (None without a margin)."""
+
+    p: float = math.nan  # NaN: missing (fewer than 2 completed runs)
+    candidates: int = 1
+    equivalence_p: float | None = None
+
+    @property
+    def kind(self) -> str:
+        return "missing" if math.isnan(self.p) else "agree" if self.p >= LEVEL else "differ"
+
+    def text(self, margin: float | None) -> str:
+        """``agree p=0.31``, ``differ p=0.002``, ``missing``; a selected cell adds how, an
+        equivalence test its outcome (``≡±1 p=0.01``: within the margin; ``≢±1``: not shown to be)."""
+        if self.kind == "missing":
+            return "missing"
+        selected = f" (selected on these runs among {self.candidates}: p × {self.candidates})" \
+            if self.candidates > 1 else ""
+        within = "" if self.equivalence_p is None else \
+            f"; {'≡' if self.equivalence_p < LEVEL else '≢'}±{margin:g} p={self.equivalence_p:.2g}"
+        return f"{self.kind} p={self.p:.2g}{selected}{within}"
 
 
-def verdict(ours: Cell, paper: Published | None) -> str:
-    """``agree p=...`` or ``differ p=...`` (Welch at :data:`LEVEL`), ``missing`` with fewer
-    than 2 completed runs, nothing where the paper printed no std or fewer than 2 runs."""
+def verdict(ours: Cell, paper: Published | None, margin: float | None = None) -> Verdict | None:
+    """The Welch test at :data:`LEVEL` of a cell against the published mean, std and run
+    count (missing with fewer than 2 completed runs), and with ``margin`` the equivalence test
+    (:mod:`bnexp.report.verdicts`); None where the paper printed no std or fewer than 2 runs."""
     if paper is None or math.isnan(paper.std) or not paper.runs >= 2:
-        return ""
+        return None
     if ours.n < 2:
-        return "missing"
-    p = welch_p(ours, paper)
-    return f"{'agree' if p >= LEVEL else 'differ'} p={p:.2g}"
+        return Verdict()
+    w = welch(ours.mean, ours.std, ours.n, paper.mean, paper.std, int(paper.runs))
+    adjust = functools.partial(selection_adjusted, candidates=ours.candidates)
+    return Verdict(adjust(welch_p(w)), ours.candidates, None if margin is None else adjust(tost(w, margin)))
 
 
 def test_columns(table: pd.DataFrame) -> list[str]:
@@ -153,13 +219,54 @@ def test_columns(table: pd.DataFrame) -> list[str]:
 
 
 def legend_of(table: pd.DataFrame) -> str:
-    """The legend, and with verdicts the test's description and the closing line that counts
-    how many cells agree with, differ from and miss their published value."""
-    cells = [str(v).split(" ")[0] for c in test_columns(table) for v in table[c]]
-    if not cells:
-        return LEGEND
-    counts = ", ".join(f"{cells.count(v)} {v}" for v in VERDICTS)
-    return f"{LEGEND}; {TEST_LEGEND}\n\nWelch test at level {LEVEL:g} over the cells with a published mean ± std: {counts}"
+    """The legend, and the closing lines: with verdicts, how many cells agree with, differ
+    from and miss their published value read as many tests (:func:`test_lines`); the runs of
+    the cells that did not complete (:func:`runs_line`)."""
+    tests: Tests = table.attrs.get("tests", Tests())
+    verdicts: list[Verdict] = table.attrs.get("verdicts", [])
+    legend, lines = LEGEND, []
+    if tests.tune_seeds is not None:
+        legend += (f"; a tuned cell: the value with the best mean on seeds below {tests.tune_seeds} (selection), "
+                   f"reported on the other seeds (test)")
+    if verdicts:
+        legend += f"; {TEST_LEGEND}"
+        if any(v.candidates > 1 for v in verdicts):
+            legend += ("; a tuned cell chosen on the runs it is tested on (selected on these runs): its p-values "
+                       "multiplied by the number of values it was chosen among (Bonferroni)")
+        if tests.margin is not None:
+            legend += f"; ≡±M: within ±M points of the paper by two one-sided Welch tests at level {LEVEL:g}"
+        lines = test_lines(verdicts, tests.margin)
+    elif not tests.comparable:
+        lines = [f"No verdicts: {tests.unlike_paper}"]
+    cells: list[Cell] = table.attrs.get("cells", [])
+    return "\n\n".join([legend, "\n".join([*lines, *([runs_line(cells)] if cells else [])])]).rstrip()
+
+
+def test_lines(verdicts: Sequence[Verdict], margin: float | None) -> list[str]:
+    """The verdicts read as many: their counts, the "differ" verdicts chance alone gives, the
+    counts after Holm's and Benjamini-Hochberg's adjustments, the equivalence test's count."""
+    counts = ", ".join(f"{sum(v.kind == k for v in verdicts)} {k}" for k in VERDICTS)
+    tested = [v for v in verdicts if v.kind != "missing"]
+    lines = [f"Welch test at level {LEVEL:g} over the cells with a published mean ± std: {counts}"]
+    if not tested:
+        return lines
+    p = [v.p for v in tested]
+    lines.append(f"Of {len(p)} tests, {LEVEL * len(p):.2g} would say differ by chance alone if every cell reproduced; "
+                 f"adjusted for {len(p)} tests, {sum(q < LEVEL for q in holm(p))} differ by Holm's method (family-wise "
+                 f"error {LEVEL:g}) and {sum(q < LEVEL for q in benjamini_hochberg(p))} by Benjamini-Hochberg's "
+                 f"(false discovery rate {LEVEL:g})")
+    if margin is not None:
+        within = sum(v.equivalence_p is not None and v.equivalence_p < LEVEL for v in tested)
+        lines.append(f"Equivalence within ±{margin:g} points (two one-sided Welch tests at level {LEVEL:g}): "
+                     f"{within} of {len(p)} tested cells shown equivalent")
+    return lines
+
+
+def runs_line(cells: Sequence[Cell]) -> str:
+    """How many of the runs the table's cells should have completed, and what became of the others."""
+    count = {what: sum(getattr(c, what) for c in cells) for what in ("n", "diverged", "failed", "missing")}
+    return (f"Runs: {count['n']} of {sum(count.values())} completed, {count['diverged']} diverged, "
+            f"{count['failed']} failed, {count['missing']} missing")
 
 
 def fmt_diff(a: float, b: float) -> str:
@@ -175,21 +282,24 @@ def with_metrics(frame: pd.DataFrame, layout: Layout) -> pd.DataFrame:
     return frame
 
 
-def build(layout: Layout, frame: pd.DataFrame, default_seed: int = 0) -> pd.DataFrame:
-    """The table as text: row label columns, flag columns, then per column ours/paper/Δ.
+def build(layout: Layout, frame: pd.DataFrame, default_seed: int = 0, tests: Tests = Tests()) -> pd.DataFrame:
+    """The table as text: row label columns, flag columns, then per column ours/paper/Δ/test.
 
     A cell that no sweep of the preset makes shows ``n/a``; rows and columns of such cells
-    only are left out.
+    only are left out. The cells, their verdicts and ``tests`` ride along in ``table.attrs``
+    for the closing lines (:func:`legend_of`); runs not ``tests.comparable`` get no verdicts.
     """
     frame = with_metrics(frame, layout)
     rows, cols = combos(layout.rows), combos(layout.columns)
 
-    def expected(keys: Mapping[str, Any]) -> int:
-        return expected_runs(layout, keys, default_seed)
+    def made(keys: Mapping[str, Any]) -> bool:
+        return layout.sweep_of(keys) is not None
 
-    cols = [c for c in cols if any(expected({**r, **c}) for r in rows)]
-    rows = [r for r in rows if any(expected({**r, **c}) for c in cols)]
+    cols = [c for c in cols if any(made({**r, **c}) for r in rows)]
+    rows = [r for r in rows if any(made({**r, **c}) for c in cols)]
     lines: list[dict[str, str]] = []
+    cells: list[Cell] = []
+    verdicts: list[Verdict] = []
     baseline: dict[str, tuple[float, float]] = {}
     for row in rows:
         line = {a.name: a.label(row[a.key]) for a in layout.rows}
@@ -200,13 +310,18 @@ def build(layout: Layout, frame: pd.DataFrame, default_seed: int = 0) -> pd.Data
         for col, metric in itertools.product(cols, layout.metrics):
             name, keys = column_name(layout, col, metric), {**row, **col}
             paper = paper_value(layout, keys, metric)
-            ours = cell(frame, layout, keys, METRICS[metric], expected(keys)) if expected(keys) else Cell()
-            line[name] = ours.text(layout.tune_name) if expected(keys) else "n/a"
+            ours = Cell()
+            if made(keys):
+                ours = cell(frame, layout, keys, METRICS[metric], expected_runs(layout, keys, default_seed, tests), tests)
+                cells.append(ours)
+            line[name] = ours.text(layout.tune_name) if made(keys) else "n/a"
             means[name] = (ours.mean, paper[0] if paper else math.nan)
             improv[name] = fmt_diff(ours.mean, baseline[name][0]) if baseline else ""
             if layout.paper:
+                tested = verdict(ours, paper, tests.margin) if made(keys) and tests.comparable else None
+                verdicts += [tested] if tested else []
                 line |= {f"{name} paper": fmt_paper(paper), f"{name} Δ": fmt_diff(*means[name]),
-                         f"{name} test": verdict(ours, paper) if expected(keys) else ""}
+                         f"{name} test": tested.text(tests.margin) if tested else ""}
                 improv |= {f"{name} paper": fmt_diff(paper[0] if paper else math.nan, baseline[name][1]) if baseline else "",
                            f"{name} Δ": "", f"{name} test": ""}
         lines.append(line)
@@ -214,7 +329,9 @@ def build(layout: Layout, frame: pd.DataFrame, default_seed: int = 0) -> pd.Data
             lines.append(improv)
         baseline = baseline or means
     table = pd.DataFrame(lines)
-    return table.drop(columns=[c for c in test_columns(table) if not table[c].any()])  # no published spread
+    table = table.drop(columns=[c for c in test_columns(table) if not table[c].any()])  # no published spread
+    table.attrs.update(cells=cells, verdicts=verdicts, tests=tests)
+    return table
 
 
 def column_name(layout: Layout, col: Mapping[str, Any], metric: str) -> str:
@@ -338,15 +455,30 @@ def figure_png(draw: Callable[[Any], Any]) -> bytes:
     return buffer.getvalue()
 
 
-def table_text(p: Preset, results: Path, fmt: str = "markdown") -> str:
+def table_text(p: Preset, results: Path, fmt: str = "markdown", margin: float | None = None,
+               tune_seeds: int | None = None) -> str:
     """The rendered table of preset ``p`` from the summaries under ``results`` (for HTML,
-    with the curves of ``bnexp plot`` embedded)."""
+    with the curves of ``bnexp plot`` embedded); ``margin`` and ``tune_seeds`` as :class:`Tests`.
+    A title says when the runs are not comparable with the paper's, and then no cell is tested."""
+    if not results.is_dir():
+        raise ConfigError(f"{results}: no such folder, so no runs of {p.name} to tabulate; run them with "
+                          f"`bnexp reproduce {p.name}{'' if p.scale == 'full' else ' scale=' + p.scale}` "
+                          "or point results=DIR at their folder")
+    if tune_seeds is not None:
+        tuned_key(p)
     runs = preset_runs(p, load_summaries(results), results)
-    table = build(p.layout, runs, int(p.cfg.trainer.seed))
+    tests = Tests(margin, tune_seeds, unlike_paper(p, runs))
+    table = build(p.layout, runs, int(p.cfg.trainer.seed), tests)
     figure = None
     if fmt == "html" and not runs.empty:
         figure = figure_png(lambda plot: plot.draw(p.layout, runs, ("train_loss", "test_acc"), ()))
-    return render(table, fmt, f"{p.layout.title} ({results})", figure, legend_of(table))
+    return render(table, fmt, titled(p.layout.title, results, tests.unlike_paper), figure, legend_of(table))
+
+
+def titled(title: str, results: Path, unlike: str = "") -> str:
+    """A table's or figure's title: the paper's, the results folder, and in brackets why the
+    runs are not comparable with the paper's when they are not."""
+    return f"{title} ({results})" + (f" [{unlike}]" if unlike else "")
 
 
 # ---- any sweep's folder ----------------------------------------------------------------
@@ -431,7 +563,7 @@ def sweep_text(folder: Path, options: Mapping[str, str]) -> str:
     return render(table, options["format"], f"{folder}: {options['metric']}", figure, SWEEP_LEGEND)
 
 
-SWEEP_LEGEND = "cell: mean ± std (completed runs; diverged and failed runs)"
+SWEEP_LEGEND = "cell: mean ± std (completed runs; where some are not, 'n of N' and the diverged and failed runs)"
 
 
 def command(args: list[str]) -> None:
@@ -448,12 +580,15 @@ def text_for(args: list[str]) -> str:
         text, results, options = sweep_text(*folder), folder[0], folder[1]
     else:
         usage = ("bnexp table <paper>/<name> [results=DIR] [format=markdown|latex|csv|html] [out=FILE] "
-                 "[scale=full|quick], or bnexp table DIR [rows=KEY,...] [cols=KEY,...] [metric=top1] [format=...]")
-        defaults = {"results": "", "format": "markdown", "scale": "full", "out": ""}
+                 "[scale=full|quick] [equivalence=off|on|POINTS] [tune_seeds=N], or bnexp table DIR [rows=KEY,...] "
+                 "[cols=KEY,...] [metric=top1] [format=...]")
+        defaults = {"results": "", "format": "markdown", "scale": "full", "out": "", "equivalence": "off",
+                    "tune_seeds": ""}
         name, options, overrides = parse_command(args, usage, defaults)
         p = load_preset(name, options["scale"], overrides)
         results = Path(options["results"] or p.results_dir)
-        text = table_text(p, results, options["format"])
+        text = table_text(p, results, options["format"], equivalence_margin(options["equivalence"]),
+                          seed_count(options["tune_seeds"], "tune_seeds"))
     if options["format"] != "html":
         return text
     page = Path(options["out"] or results / "table.html")
@@ -461,3 +596,29 @@ def text_for(args: list[str]) -> str:
         page.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(page, lambda f: f.write(text.encode("utf-8")))
     return f"{page}\n"
+
+
+def equivalence_margin(text: str) -> float | None:
+    """``equivalence=``: ``off`` (no equivalence test), ``on`` (:data:`DEFAULT_MARGIN` points)
+    or a margin in points > 0; a ConfigError naming the value otherwise."""
+    if text.lower() in ("off", "false", "no", ""):
+        return None
+    if text.lower() in ("on", "true", "yes"):
+        return DEFAULT_MARGIN
+    try:
+        margin = float(text)
+    except ValueError:
+        margin = math.nan
+    if not (math.isfinite(margin) and margin > 0):
+        raise ConfigError(f"equivalence={text!r} is not valid: use off, on (±{DEFAULT_MARGIN:g} points) or a margin "
+                          "in points > 0")
+    return margin
+
+
+def seed_count(text: str, name: str) -> int | None:
+    """A count of seeds ``N >= 1`` given as ``name=N`` (None when empty); a ConfigError otherwise."""
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"{name}={text!r} is not valid: a whole number of seeds >= 1")
+    return int(text)
