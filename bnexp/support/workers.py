@@ -49,21 +49,37 @@ def ends_with_parent(job: Callable[P, R]) -> Callable[P, R]:
 
 
 def end_with_parent() -> Optional[int]:
-    """In a process that multiprocessing or joblib started: send it SIGTERM when the process
-    that started it ends, and SIGKILL :data:`GRACE_SECONDS` later (a thread watches it, started
-    once per process). Returns that parent's pid; None in any other process."""
-    parent = multiprocessing.parent_process()
-    if parent is None or parent.pid is None:
+    """In a process that multiprocessing or joblib started: send it SIGTERM when its parent
+    process ends, and SIGKILL :data:`GRACE_SECONDS` later (a thread watches it, started once
+    per process). Returns the parent's pid; None in any other process.
+
+    The parent is the process that forked this one: the one that asked for it, or a
+    forkserver that forked it on that one's behalf (and ends with it). When this one has
+    another parent already and the one that asked for it is gone, it ended before this call."""
+    asked = multiprocessing.parent_process()
+    if asked is None or asked.pid is None:
         return None
+    parent = os.getppid()
     if os.getpid() not in _watched:
         _watched.add(os.getpid())
-        threading.Thread(target=_watch, args=(parent.pid,), name="bnexp-end-with-parent", daemon=True).start()
-    return parent.pid
+        gone = parent != asked.pid and not _exists(asked.pid)
+        threading.Thread(target=_watch, args=(parent, gone), name="bnexp-end-with-parent", daemon=True).start()
+    return parent
 
 
-def _watch(parent: int) -> None:
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _watch(parent: int, gone: bool) -> None:
     """Wait for ``parent`` to end (this process then has another parent), then stop this one."""
-    while os.getppid() == parent:
+    while not gone and os.getppid() == parent:
         time.sleep(POLL_SECONDS)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(GRACE_SECONDS)
