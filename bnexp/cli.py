@@ -7,6 +7,10 @@ groups); the other commands parse their own ``key=value`` arguments, and ``bnexp
 prints the versions and the source of this install. Hydra's shell completion
 (``eval "$(bnexp train -sc install=bash)"``) queries ``bnexp -sc query=bash``, which is
 routed to ``bnexp train``.
+
+Each command's module is imported when the command runs: ``bnexp --help``, ``--version``,
+shell completion, ``bnexp train --help`` and the table commands never import torch, whose
+import takes seconds.
 """
 
 from __future__ import annotations
@@ -15,11 +19,9 @@ import importlib
 import importlib.util
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
-import torch
-
-from bnexp.app.train import train_command
 from bnexp.support.errors import EXIT_CONFIG
 from bnexp.support.options import plain_text, print_error
 from bnexp.support.runinfo import source_of_bnexp
@@ -34,7 +36,7 @@ commands:
   plot       loss / accuracy curves: bnexp plot cbn/table1 [results=DIR] [out=DIR], or bnexp plot DIR [out=DIR]
   eval       a finished run's final weights on a data set: bnexp eval RUN_DIR [data=NAME] [split=test|train]
   export     a finished run's weights for other tools: bnexp export RUN_DIR [format=torchvision|safetensors]
-  bench      speed: bnexp bench norms|step|data|run|pack|imagenet|table_cost [reps=5] [out=FILE.json] (docs/benchmarks.md)
+  bench      speed: bnexp bench norms|step|data|run|pack|imagenet|graph|table_cost|cli [reps=5] [out=FILE.json] (docs/benchmarks.md)
   lrsearch   largest stable lr per method (CBN Table 6): bnexp lrsearch [methods=[none,cbn]] [acts=[relu]] [lrs=[...]] [out=DIR]
   hessian    Hessian condition numbers in training (BNP Fig. 8): bnexp hessian [norms=[none,bnp]] [out=DIR]
   claims     the papers' claims checked on real digits, with verdicts: bnexp claims [all | NAME ...] [scale=quick]
@@ -43,23 +45,23 @@ Run `bnexp train --help` for the config groups and their options, `bnexp <comman
 command's options, `bnexp --version` for the versions of this install."""
 
 
-def _report_command(name: str) -> Callable[[list[str]], None]:
-    """``bnexp <name>``: :func:`bnexp.report.<name>.command`, imported when called."""
-    return lambda args: importlib.import_module(f"bnexp.report.{name}").command(args)
+def _command(module: str, function: str = "command") -> Callable[[list[str]], None]:
+    """``bnexp <name>``: ``function`` of ``module``, imported when called."""
+    return lambda args: getattr(importlib.import_module(module), function)(args)
 
 
-def _study_command(name: str) -> Callable[[list[str]], None]:
-    """``bnexp <name>``: :func:`bnexp.studies.<name>.command`, imported when called."""
-    return lambda args: importlib.import_module(f"bnexp.studies.{name}").command(args)
+def train_command(args: list[str]) -> None:
+    """``bnexp train``: :func:`bnexp.app.train.train_command`."""
+    _command("bnexp.app.train", "train_command")(args)
 
 
 COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "train": train_command,
-    **{name: _report_command(name) for name in ("reproduce", "table", "plot")},
-    "eval": _report_command("evaluate"),
-    "export": _report_command("export"),
-    "bench": lambda args: importlib.import_module("bnexp.bench").command(args),
-    **{name: _study_command(name) for name in ("lrsearch", "hessian", "claims")},
+    **{name: _command(f"bnexp.report.{name}") for name in ("reproduce", "table", "plot")},
+    "eval": _command("bnexp.report.evaluate"),
+    "export": _command("bnexp.report.export"),
+    "bench": _command("bnexp.bench"),
+    **{name: _command(f"bnexp.studies.{name}") for name in ("lrsearch", "hessian", "claims")},
 }
 
 
@@ -76,7 +78,24 @@ def version() -> str:
     source = source_of_bnexp()
     where = f"git {source['git_commit'][:12]}{' (dirty)' if source['git_dirty'] else ''}" if source["git_commit"] \
         else "installed package"
-    return f"bnexp {source['bnexp_version']} ({where}), torch {torch.__version__}, python {sys.version.split()[0]}"
+    return f"bnexp {source['bnexp_version']} ({where}), torch {torch_version()}, python {sys.version.split()[0]}"
+
+
+def torch_version() -> str:
+    """``torch.__version__`` (its build included: ``2.14.1+cu130``), read from torch's
+    ``version.py`` without importing torch; the installed distribution's version when that
+    file is not there."""
+    spec = importlib.util.find_spec("torch")
+    path = Path(spec.origin).parent / "version.py" if spec is not None and spec.origin else None
+    if path is None or not path.is_file():
+        from importlib import metadata
+
+        return metadata.version("torch")
+    module_spec = importlib.util.spec_from_file_location("_bnexp_torch_version", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return str(module.__version__)
 
 
 def command_help(command: str) -> str:

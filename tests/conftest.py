@@ -10,9 +10,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 import copy
 import csv
-import fcntl
 import functools
-import hashlib
 import json
 import pickle
 import shutil
@@ -69,29 +67,17 @@ def name_group(item: pytest.Item) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def preset_job_configs_once(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """``bnexp table``, ``plot``, the two-stage tuning and the recorded fingerprints match runs
-    to a preset by composing the config of each of its jobs (CBN Table 1: 1350 of them, about
-    6 s); several tests, on both workers, ask for the same preset's. The first to ask computes
-    them and writes them as JSON (plain values: the round trip is exact), under a lock; every
-    other caller of the run reads that file."""
-    real = presets.job_configs
+def bnexp_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """bnexp's cache folder in the test run's temporary folder, one for both workers (and the
+    commands the tests start): ``bnexp table``, ``plot``, the two-stage tuning and the recorded
+    fingerprints match runs to a preset by composing the config of each of its jobs (CBN
+    Table 1: 1350 of them), which :func:`bnexp.report.presets.job_configs` keeps there; the
+    first test to ask composes them, under the cache's lock, the others read them. Nothing is
+    written to the user's own cache."""
     base = tmp_path_factory.getbasetemp()  # an xdist worker's is a subfolder of the run's
-    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "preset_job_configs"
-    folder.mkdir(exist_ok=True)
-
-    def once(name: str, scale: str, jobs: list[list[str]]) -> list[dict]:
-        key = hashlib.sha256(json.dumps([name, scale, [list(job) for job in jobs]]).encode()).hexdigest()[:24]
-        path = folder / f"{key}.json"
-        with open(folder / f"{key}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            if not path.exists():
-                path.with_suffix(".tmp").write_text(json.dumps(real(name, scale, jobs)))
-                path.with_suffix(".tmp").replace(path)
-        return json.loads(path.read_text())
-
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "bnexp_cache"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(presets, "job_configs", once)
+        mp.setenv(presets.CACHE_ENV, str(folder))
         yield
 
 

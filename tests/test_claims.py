@@ -10,6 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from bnexp.engine.identity import cell_name
+from bnexp.report.presets import load_preset
 from bnexp.report.results import load_summaries
 from bnexp.studies.claims import (
     CHANCE,
@@ -20,6 +22,7 @@ from bnexp.studies.claims import (
     SHOWN,
     TOO_FEW,
     Sample,
+    arm_cells,
     arm_overrides,
     beats_clearly,
     judge_ablation,
@@ -143,9 +146,27 @@ def test_arora_judge(tmp_path: Path) -> None:
 def test_user_overrides_replace_a_claims_own() -> None:
     assert merged(["act=sigmoid,tanh,relu", "norm.rho=1"], ["act=sigmoid,relu", "+x=1"]) == \
         ["act=sigmoid,relu", "norm.rho=1", "+x=1"]
-    args = arm_overrides(CLAIMS["cbn"].arms[0], Path("OUT"), "quick", 2, ["act=relu"])
-    assert "act=relu" in args and "trainer.seed=0" in args and "hydra.launcher.n_jobs=2" in args
+    args = arm_overrides(CLAIMS["cbn"].arms[0], Path("OUT"), "quick", ["act=relu"])
+    assert "act=relu" in args and "trainer.seed=0" in args
     assert "trainer.max_steps=4" in args and "hydra.sweep.dir=OUT" in args
+
+
+def test_a_claims_cells_train_its_sweeps_runs_with_each_cells_seeds_packed() -> None:
+    """The cbn claim's sweep, cut into its cells: rows 1 and 2 x 3 activations, the 3 seeds of
+    each as one pack at full scale, seed 0 alone at quick scale; together the runs of the
+    claim's one sweep, each in the directory that sweep gives it."""
+    arm = CLAIMS["cbn"].arms[0]
+    full = arm_cells("cbn", arm, Path("OUT"), "full", ["act=sigmoid,relu"])
+    assert len(full) == 4 and all("trainer.seed=0,1,2" in c.args and "hydra/launcher=pack" in c.args for c in full)
+    assert all(c.args[0] == "experiment=cbn/table1" and "hydra.sweep.dir=OUT" in c.args for c in full)
+    assert {(c.args.count("cbn_row=r1"), c.args.count("act=relu")) for c in full} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    quick = arm_cells("cbn", arm, Path("OUT"), "quick", [])
+    assert len(quick) == 6 and all("trainer.seed=0" in c.args and "hydra/launcher=pack" not in c.args for c in quick)
+    sweep = arm_overrides(arm, Path("OUT"), "full", ["act=sigmoid,relu"])
+    runs = {cell_name(job) for job in load_preset("cbn/table1", overrides=sweep[1:]).jobs}
+    assert len(runs) == 12 and runs == {cell_name(job) for cell in full for job in
+                                        load_preset("cbn/table1", overrides=[a for a in cell.args[1:]
+                                                                             if a != "hydra/launcher=pack"]).jobs}
 
 
 def test_listing_and_bad_names(capsys: pytest.CaptureFixture[str]) -> None:
@@ -179,7 +200,7 @@ def test_every_claim_runs_through_the_presets_at_toy_size(every_claim: tuple[Pat
         frame = load_summaries(folder / claim.name)
         assert len(frame) and set(frame["status"]) <= {"completed", "diverged"} and set(frame["data.name"]) == {"digits"}
     code, out = run_cli(["claims", "popnorm", "scale=quick", "jobs=1", f"out={folder}", "trainer.device=cpu"], capsys)
-    assert code == 0 and "2 skipped" in out  # a second call reuses the finished runs
+    assert code == 0 and out.count(": 1 cells: 0 completed, 0 diverged, 0 failed, 1 skipped") == 2  # runs reused
 
 
 def test_ablation_judge_orders_the_final_training_losses(tmp_path: Path) -> None:
@@ -218,3 +239,21 @@ def test_ablation_claim_runs_at_toy_size_and_gives_its_verdict_rows(tmp_path: Pa
     frame = load_summaries(tmp_path / "ablation")
     assert len(frame) == 8 and set(frame["data.name"]) == {"digits"} and set(frame["model.name"]) == {"vgg16"}
     assert sorted(frame.loc[frame["tags.method"] == "mean_only", "norm.rho"].astype(float)) == [1.0, 1.0, 4.0, 4.0]
+
+
+@pytest.mark.slow
+def test_claims_in_worker_processes_print_each_verdict_as_it_comes(tmp_path: Path,
+                                                                    capfd: pytest.CaptureFixture[str]) -> None:
+    """``bnexp claims popnorm hessian scale=quick`` with its default jobs (one per core): the
+    two claims' four cells in worker processes, each cell's sweep counting its own run (also
+    in a worker kept from an earlier cell), each claim's verdicts printed as it ends, no
+    ledger left behind."""
+    text, code = claims_main(["popnorm", "hessian", "scale=quick", f"out={tmp_path}"])
+    captured = capfd.readouterr()
+    printed = captured.out + captured.err
+    assert code == 0, printed[-3000:]
+    assert printed.count(": 1 cells: 1 completed, 0 diverged, 0 failed\n") == 4, printed[-3000:]
+    assert "== claim popnorm, POP-Norm Table 1 (ResNet-20):\n  sigmoid: POP-Norm beats BN clearly: " in printed
+    assert "== claim hessian, BNP Fig. 8 (2x100 MLP, batch 60):\n  BNP's preconditioned Hessian" in printed
+    assert "BNP's preconditioned Hessian is better conditioned" in text and not list(tmp_path.rglob(".sweep-*"))
+    assert len(load_summaries(tmp_path / "popnorm")) == 2 and len(load_summaries(tmp_path / "hessian")) == 2

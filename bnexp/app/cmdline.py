@@ -28,9 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from bnexp.app.compose import config_dir, group_options, hydra_session, is_group, parser
-from bnexp.app.jobs import pack_misplaced
 from bnexp.app.sweep import interval_refused
-from bnexp.engine.config import meaningless, validate
 from bnexp.support.errors import ConfigError
 
 # Hydra flags followed by a value, and flags after which Hydra does not compose train.yaml
@@ -289,6 +287,8 @@ def check_values(cfg: DictConfig, task: list[str], swept: Sequence[tuple[str, An
     """The values of a composed config, and each swept value in its place: valid
     (:func:`bnexp.engine.config.validate`), group names that match the choices, no norm setting
     that the chosen norm ignores."""
+    from bnexp.engine.config import meaningless, validate  # here: its schema imports torch, which composing does not need
+
     bind(cfg, task)
     for job in [cfg, *(with_value(cfg, key, value) for key, value in swept)]:
         validate(job)
@@ -337,3 +337,17 @@ def check_command_line(args: Sequence[str]) -> None:
             raise ConfigError(problem)
         if DRY_RUN not in args:  # a dry run writes nothing
             check_output(composed[0], task, multirun)
+
+
+def pack_misplaced(pack: Any, sweeping: bool, launcher: str) -> str | None:
+    """Why ``trainer.pack`` cannot apply where it is given (``launcher``: the ``_target_`` of
+    the command's Hydra launcher), None when it can: ``auto`` sizes the packs of a sweep, and
+    a sweep packs only under bnexp's packing launchers (``pack``, ``pack_slurm``)."""
+    packs = pack == "auto" or isinstance(pack, int) and not isinstance(pack, bool) and pack > 1
+    if sweeping and packs and not launcher.startswith("hydra_plugins.bnexp_launcher."):
+        return (f"trainer.pack={pack} sizes the packs of a sweep, which hydra/launcher=pack (or pack_slurm) "
+                "trains; add it, or leave trainer.pack out")
+    if not sweeping and pack == "auto":
+        return ("trainer.pack=auto sizes the packs of a sweep (bnexp train -m ... hydra/launcher=pack); on one "
+                "command line give the number of seeds to pack (trainer.pack=10)")
+    return None

@@ -25,6 +25,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from bnexp.app.cells import note_cell
+from bnexp.app.cmdline import pack_misplaced
 from bnexp.app.compose import prepare_config_tree
 from bnexp.app.sweep import job_status, record, skip_or_home, spread_over_gpus
 from bnexp.app.torchrun import check_gpus, follow_launcher, run_under_torchrun
@@ -38,6 +39,7 @@ from bnexp.support.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, Conf
 from bnexp.support.options import print_error, print_warning
 from bnexp.support.runinfo import read_run_json, storage_error
 from bnexp.support.runlock import HELD_ENV, RunLock, RunLocked
+from bnexp.support.workers import ends_with_parent
 
 log = logging.getLogger("bnexp")
 
@@ -94,6 +96,7 @@ def stored_summary(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
+@ends_with_parent  # in a launcher's worker process (joblib): stop when the sweep's process has ended
 def train_job(cfg: DictConfig) -> float:
     """One Hydra job; returns the run's final top-1 (:func:`result_value`: NaN when it did
     not complete).
@@ -124,20 +127,6 @@ def train_job(cfg: DictConfig) -> float:
             return [run_job(cfg, hydra_cfg, run_dir, sweeping)]
 
     return run_and_record([run_dir], sweeping, single)[0]
-
-
-def pack_misplaced(pack: Any, sweeping: bool, launcher: str) -> str | None:
-    """Why ``trainer.pack`` cannot apply where it is given (``launcher``: the ``_target_`` of
-    the command's Hydra launcher), None when it can: ``auto`` sizes the packs of a sweep, and
-    a sweep packs only under bnexp's packing launchers (``pack``, ``pack_slurm``)."""
-    packs = pack == "auto" or isinstance(pack, int) and not isinstance(pack, bool) and pack > 1
-    if sweeping and packs and not launcher.startswith("hydra_plugins.bnexp_launcher."):
-        return (f"trainer.pack={pack} sizes the packs of a sweep, which hydra/launcher=pack (or pack_slurm) "
-                "trains; add it, or leave trainer.pack out")
-    if not sweeping and pack == "auto":
-        return ("trainer.pack=auto sizes the packs of a sweep (bnexp train -m ... hydra/launcher=pack); on one "
-                "command line give the number of seeds to pack (trainer.pack=10)")
-    return None
 
 
 ENDED = ("completed", "diverged")  # the statuses of a run that a signal cannot leave unfinished

@@ -10,9 +10,11 @@
   in another directory is not either (:func:`skip_or_home`); :func:`describe_jobs`: what
   ``--dry-run`` prints (each cell, how many run, resume and are skipped, the projected time);
   :func:`spread_over_gpus` gives job ``n`` GPU ``n mod count``;
-- :class:`SweepReport`: the end-of-sweep report. Each job appends its outcome to a ledger
-  file named in the environment at the start of the sweep, which works for in-process,
-  joblib and SLURM launchers alike; the end of the sweep reads it back.
+- :class:`SweepReport`: the end-of-sweep report. Each job appends its outcome to the sweep's
+  ledger, ``<sweep dir>/.sweep-<id>.jsonl``; the id is drawn at the start of the sweep and
+  handed to every job through ``hydra.job.env_set``, which Hydra applies in whichever process
+  runs the job (in-process, a joblib worker kept from an earlier sweep, a SLURM task); the
+  end of the sweep reads the ledger back and deletes it.
 """
 
 from __future__ import annotations
@@ -34,19 +36,18 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, read_write
 
 from bnexp.app.cells import lists_cells
 from bnexp.app.compose import is_group
-from bnexp.data.files import RECORDS, identity_problem
-from bnexp.engine.checkpoint import FINAL, periodic_step, read_config, resume_candidates, verified_bytes
-from bnexp.engine.config import lr_not_applicable
-from bnexp.engine.identity import cell_name, differences, fingerprint, override_key, run_differences
-from bnexp.engine.pack import PER_RUN_KEYS
+from bnexp.engine.identity import PER_RUN_KEYS, cell_name, differences, fingerprint, override_key, run_differences
 from bnexp.support.errors import EXIT_FAILED, ConfigError, OtherRunThere
 from bnexp.support.runinfo import duration, read_run_json
 from bnexp.support.runlock import HELD_ENV
 
+# The functions that check finished runs import the engine (checkpoints, config rules, data
+# files) in their bodies: those modules load torch, which the table commands, users of this
+# module's sweep expansion, do without.
 log = logging.getLogger("bnexp.app.sweep")
 
 Sweep = Mapping[str, Any]  # one sweep as a preset writes it: key -> value(s) in override syntax
@@ -176,6 +177,9 @@ FINISHED = ("completed", "diverged")
 def skip_reason(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     """Why a job should not train: N/A in the paper, or already completed or diverged with
     these settings. A finished run with other settings is a ConfigError naming what differs."""
+    from bnexp.engine.checkpoint import resume_candidates  # in the function: see the note above `log`
+    from bnexp.engine.config import lr_not_applicable
+
     if lr_not_applicable(cfg):
         return "the paper lists no learning rate for this cell (N/A)"
     if str(cfg.trainer.get("resume", "auto")) == "never":
@@ -213,6 +217,8 @@ def stored_result(path: Path) -> dict[str, Any]:
     naming the file if it is damaged (:func:`read_run_json`), a value of
     :data:`RESULT_TYPES` is of another type, or its record of the data files is not one
     (:func:`~bnexp.data.files.identity_problem`)."""
+    from bnexp.data.files import RECORDS, identity_problem
+
     summary = read_run_json(path)
     for key, (types, what) in RESULT_TYPES.items():
         value = summary.get(key)
@@ -236,6 +242,8 @@ def damage_note(run_dir: Path, cfg: DictConfig, summary: Mapping[str, Any]) -> s
 
 def final_checkpoint_problem(run_dir: Path, summary: Mapping[str, Any]) -> str:
     """What is wrong with a completed run's final checkpoint, if anything."""
+    from bnexp.engine.checkpoint import FINAL, verified_bytes
+
     if summary.get("status") != "completed":
         return ""
     path = run_dir / FINAL
@@ -251,6 +259,8 @@ def final_checkpoint_problem(run_dir: Path, summary: Mapping[str, Any]) -> str:
 def config_problem(run_dir: Path, cfg: DictConfig) -> str:
     """What is wrong with a finished run's config.yaml, if anything: unreadable, or no longer
     the settings ``cfg`` the run was found to have."""
+    from bnexp.engine.checkpoint import read_config
+
     try:
         saved = read_config(run_dir / "config.yaml")
     except ConfigError as err:
@@ -336,6 +346,8 @@ def skip_or_home(cfg: DictConfig, run_dir: Path, sweep_dir: Optional[Path]) -> t
     its own, or, for a cell of a listing sweep (``sweep_dir``; None outside a sweep) whose own
     directory holds nothing to skip or resume, a finished run of the same settings found
     elsewhere (:func:`finished_twin`)."""
+    from bnexp.engine.checkpoint import resume_candidates
+
     reason = skip_reason(cfg, run_dir)
     if reason or sweep_dir is None or not lists_cells(sweep_dir) or str(cfg.trainer.get("resume", "auto")) != "auto" \
             or resume_candidates(run_dir):
@@ -361,6 +373,8 @@ class CellPlan:
 def cell_plan(run_dir: Path, fresh: bool = False) -> CellPlan:
     """From a cell's directory: skip a finished run, resume from a checkpoint, run otherwise
     (``fresh``, trainer.resume=never: run every cell from its start)."""
+    from bnexp.engine.checkpoint import periodic_step, resume_candidates
+
     status = job_status(run_dir)[0] if (run_dir / "summary.json").is_file() else None
     if fresh:
         return CellPlan("run", run_dir, "to run again" if status else "to run")
@@ -464,7 +478,7 @@ def spread_over_gpus(job_num: int) -> None:
     if count > 1:
         torch.cuda.set_device(job_num % count)
 
-LEDGER_ENV = "BNEXP_SWEEP_LEDGER"
+SWEEP_ID_ENV = "BNEXP_SWEEP_ID"  # the running sweep's id, in the sweep's process and in each of its jobs
 STATUSES = ("completed", "diverged", "failed", "skipped")
 # Outcomes that leave a cell's result on disk: a sweep of only these exits 0. Diverged is a
 # result (the paper's "collapsed"); failed, locked (running elsewhere), interrupted and
@@ -491,12 +505,22 @@ def plan(count: int) -> None:
     _append({"planned": count})
 
 
+def ledger_file() -> Optional[Path]:
+    """The running sweep's ledger (:class:`SweepReport`): in its folder, relative to where the
+    sweep started; None outside a sweep."""
+    sweep_id = os.environ.get(SWEEP_ID_ENV)
+    if not sweep_id or not HydraConfig.initialized():
+        return None
+    hydra = HydraConfig.get()
+    return Path(str(hydra.runtime.cwd)) / str(hydra.sweep.dir) / f".sweep-{sweep_id}.jsonl"
+
+
 def _append(entry: dict[str, Any]) -> None:
     """One line of the running sweep's ledger; the sweep folder is made on the first line
     (a dry run makes none)."""
-    ledger = os.environ.get(LEDGER_ENV)
+    ledger = ledger_file()
     if ledger and not os.environ.get(HELD_ENV):  # torchrun ranks: their launcher records the run
-        Path(ledger).parent.mkdir(parents=True, exist_ok=True)
+        ledger.parent.mkdir(parents=True, exist_ok=True)
         with open(ledger, "a") as f:
             f.write(json.dumps(entry) + "\n")
 
@@ -518,8 +542,9 @@ def format_report(entries: list[dict[str, Any]], planned: Optional[int] = None, 
 
 def print_sweep_report(stopped: bool = False) -> Optional[list[dict[str, Any]]]:
     """Print the running sweep's report and close its ledger; the entries, or None outside a sweep."""
-    ledger = Path(os.environ.pop(LEDGER_ENV, ""))
-    if not ledger.name or not ledger.is_file():
+    ledger = ledger_file()
+    os.environ.pop(SWEEP_ID_ENV, None)
+    if ledger is None or not ledger.is_file():
         return None
     lines = [json.loads(line) for line in ledger.read_text().splitlines() if line.strip()]
     ledger.unlink()
@@ -538,7 +563,10 @@ class SweepReport(Callback):
         # The sweep folder's name reads ${hydra:overrides.task}, which Hydra only binds per
         # job: bind the sweep's own config first, for this callback, the sweeper and the launcher.
         HydraConfig.instance().set_config(config)
-        os.environ[LEDGER_ENV] = str(Path(config.hydra.sweep.dir) / f".sweep-{uuid.uuid4().hex}.jsonl")
+        sweep_id = uuid.uuid4().hex
+        os.environ[SWEEP_ID_ENV] = sweep_id
+        with read_write(config.hydra.overrides):  # what each job's config is composed with
+            config.hydra.overrides.hydra.append(f"++hydra.job.env_set.{SWEEP_ID_ENV}={sweep_id}")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         entries = print_sweep_report()

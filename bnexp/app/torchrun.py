@@ -26,7 +26,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bnexp.engine.preemption import PreemptionGuard
 from bnexp.support.errors import ConfigError
 from bnexp.support.runlock import HELD_ENV, LOCK_NAME, join_held_lock
 
@@ -124,6 +123,8 @@ def run_under_torchrun(nproc: int, overrides: list[str], run_dir: Path) -> int:
     env = {**os.environ, RUN_DIR_ENV: str(run_dir), PARENT_ENV: str(os.getpid()),
            HELD_ENV: str((run_dir / LOCK_NAME).resolve())}  # the ranks run under this process's lock
     child = subprocess.Popen(torchrun_command(nproc, overrides), env=env)
+    from bnexp.engine.preemption import PreemptionGuard  # here: it imports torch, which rank_overrides does not need
+
     with PreemptionGuard(on_signal=lambda _: child.send_signal(signal.SIGTERM)) as guard:
         code = child.wait()
         guard.forward()

@@ -1,19 +1,20 @@
 """``bnexp train``: the command line checked, then handed to Hydra's app over
 ``configs/train.yaml`` (one job, or a multirun with bnexp's sweeper and launchers); each
-job is :func:`bnexp.app.jobs.train_job`."""
+job is :func:`bnexp.app.jobs.train_job`, imported when a job runs: Hydra's help and shell
+completion answer without importing torch."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 import hydra
 from hydra.core.plugins import Plugins
+from omegaconf import DictConfig
 
 from bnexp.app.cmdline import DRY_RUN, check_command_line
 from bnexp.app.compose import config_dir, prepare_config_tree
-from bnexp.app.jobs import train_job
 from bnexp.app.sweep import print_sweep_report
 from bnexp.app.torchrun import rank_overrides
 from bnexp.support.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, ConfigError
@@ -54,6 +55,13 @@ def search_sweeper(args: Sequence[str]) -> list[str]:
     return [f"hydra/sweeper={search[-1]}"] if search and not chosen else []
 
 
+def task(cfg: DictConfig) -> Any:
+    """Hydra's task function: one job (:func:`bnexp.app.jobs.train_job`)."""
+    from bnexp.app.jobs import train_job
+
+    return train_job(cfg)
+
+
 def train_command(args: list[str]) -> None:
     """``bnexp train``: check the command line, then hand it to Hydra. ``--dry-run`` (with
     ``-m``) lists a sweep's jobs and run directories without running them."""
@@ -75,7 +83,7 @@ def train_command(args: list[str]) -> None:
     except BnexpError as err:
         print_error(str(err))
         sys.exit(err.exit_code)
-    app = hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")(train_job)
+    app = hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")(task)
     # Hydra's shell completion registers and queries the program named here (bnexp/cli.py
     # routes `bnexp -sc query=...` back to this command)
     program = "bnexp" if {"-sc", "--shell-completion"} & set(args) else "bnexp train"

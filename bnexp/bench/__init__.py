@@ -1,4 +1,4 @@
-"""``bnexp bench <norms|step|data|run|pack|imagenet|graph|table_cost> [key=value ...]``: speed measurements as tables and JSON.
+"""``bnexp bench <norms|step|data|run|pack|imagenet|graph|table_cost|cli> [key=value ...]``: speed measurements as tables and JSON.
 
 Each subcommand prints a table and writes ``out=`` (``results/bench/<subcommand>.json``
 by default): a list of records with ``name``, ``mode`` (eager | compiled), ``device``,
@@ -20,7 +20,7 @@ from bnexp.support.errors import ConfigError, unknown_choice
 from bnexp.support.options import exit_on_error
 from bnexp.support.runinfo import configure_backends
 
-SUBCOMMANDS = ("norms", "step", "data", "run", "pack", "imagenet", "graph", "table_cost")
+SUBCOMMANDS = ("norms", "step", "data", "run", "pack", "imagenet", "graph", "table_cost", "cli")
 # subcommands whose other key=value args are Hydra overrides
 ACCEPTS_OVERRIDES = ("step", "data", "run", "pack", "graph", "table_cost")
 

@@ -28,6 +28,7 @@ from bnexp.bench.common import Record, compose_train, device_of, record
 from bnexp.engine.pack import train_pack
 from bnexp.engine.trainer import train
 from bnexp.support.errors import BnexpError, ConfigError
+from bnexp.support.workers import ends_with_parent
 
 DEFAULTS: dict[str, Any] = {"reps": 3, "device": "auto", "threads": 0, "target_epochs": 120, "target_seconds": 120.0,
                             "jobs": 1, "out": "results/bench/run.json"}
@@ -56,7 +57,7 @@ def short_run(cfg: DictConfig, run_dir: Path) -> tuple[dict[str, Any], float]:
 def packed_seconds(cfg: DictConfig, root: Path, jobs: int) -> float:
     """Wall seconds of ``jobs`` copies of the run trained at once in joblib worker processes."""
     start = time.perf_counter()
-    Parallel(n_jobs=jobs)(delayed(train)(cfg, root / f"packed-{i}") for i in range(jobs))
+    Parallel(n_jobs=jobs)(delayed(ends_with_parent(train))(cfg, root / f"packed-{i}") for i in range(jobs))
     return time.perf_counter() - start
 
 

@@ -10,14 +10,14 @@ and a finished run with other ones is an error naming what differs (:func:`run_d
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-
-from bnexp.data.files import changed_files
 
 # Settings that do not change what a run computes: where it logs, how often it saves or
 # prints, which checkpoints it keeps, how long its processes wait for each other, which device it runs on, whether it
@@ -60,6 +60,9 @@ NEUTRAL_SINCE_ADDED: dict[str, Any] = {
 # before they existed). They stay in run names: an override of one is a choice on the
 # command line.
 LOOKUP_KEYS = ("lookup",)
+# The settings in which the runs of a pack may differ (bnexp.engine.pack): the seed, and rho,
+# which the normalization family reads from a per-channel buffer (NormFamily.rho_channels).
+PER_RUN_KEYS = ("trainer.seed", "norm.rho")
 # Group choices left out of the names of a sweep's cells (:func:`cell_name`) only: a preset
 # names its own sweep folder, and what either sets is in the config (so in the fingerprint).
 PRESET_KEYS = ("experiment", "scale")
@@ -74,6 +77,13 @@ FINGERPRINT_CHARS = 16
 
 def _covered(key: str, prefixes: Iterable[str]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+@functools.cache
+def _left_out(key: str) -> bool:
+    """Whether :func:`result_config` leaves ``key`` out (a non-result or lookup key), once per
+    key: a table reads the same few hundred keys in every one of its runs."""
+    return _covered(key, NON_RESULT_KEYS + LOOKUP_KEYS)
 
 
 def is_non_result(key: str) -> bool:
@@ -145,7 +155,11 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
         return {prefix: node}
     out: dict[str, Any] = {}
     for key, value in node.items():
-        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name))
+        else:
+            out[name] = value
     return out
 
 
@@ -153,7 +167,7 @@ def result_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """The resolved config as dotted keys, without the settings that do not change the result."""
     tree = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     tree.pop("hydra", None)
-    flat = {k: _canonical(v) for k, v in flatten(tree).items() if not _covered(k, NON_RESULT_KEYS + LOOKUP_KEYS)}
+    flat = {k: _canonical(v) for k, v in flatten(tree).items() if not _left_out(k)}
     if "data.root" in flat:  # the root recorded fingerprints hold (LOCATION_KEYS)
         flat["data.root"] = RECORDED_ROOTS.get(str(flat.get("data.name")))
     return {k: v for k, v in flat.items() if k not in NEUTRAL_SINCE_ADDED or v != NEUTRAL_SINCE_ADDED[k]}
@@ -174,7 +188,8 @@ def run_differences(there: Mapping[str, Any], here: DictConfig, recorded: Mappin
     holds what its data files and starting weights held) another run than ``here``: the
     settings that differ (:func:`differences`), then the data files and starting weights whose
     content differs from the files ``here`` reads; empty for the same run."""
-    from bnexp.data import data_files  # the data sets' loaders, imported only when a run is compared
+    from bnexp.data import data_files  # here: bnexp.data imports torch, which naming runs does not need
+    from bnexp.data.files import changed_files
 
     recorded = recorded or {}
     settings = [differences(there, here)] if fingerprint(there) != fingerprint(here) else []

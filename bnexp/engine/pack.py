@@ -41,7 +41,7 @@ from bnexp.engine import checkpoint
 from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import Callback, TrainState
 from bnexp.engine.config import validate
-from bnexp.engine.identity import differences, fingerprint
+from bnexp.engine.identity import PER_RUN_KEYS, differences, fingerprint
 from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule
 from bnexp.engine.trainer import Member, Trainer, outcome_recorded, setup_summary, total_steps, training_loaders
@@ -55,9 +55,6 @@ from bnexp.support.runinfo import RunLogFile, configure_backends, resolve_device
 log = logging.getLogger("bnexp.engine.pack")
 
 PACK_KEY = "trainer.pack"
-# The settings in which the runs of a pack may differ: the seed, and rho, which the normalization
-# family reads from a per-channel buffer (bnexp.nn.family.NormFamily.rho_channels).
-PER_RUN_KEYS = ("trainer.seed", "norm.rho")
 
 
 @dataclass

@@ -5,20 +5,31 @@ their union by :class:`bnexp.app.sweep.BnexpSweeper`) and the description of its
 (``hydra.sweeper.report``). :class:`Preset` reads both from the composed config: the table
 commands use the sweeps' values without expanding them; ``bnexp reproduce`` expands them
 (:func:`bnexp.app.sweep.expand`) to count and cost the runs.
+
+Matching runs to a preset's cells composes the config of every job (:func:`job_configs`:
+CBN Table 1 is 1,350 of them, seconds to minutes of Hydra); the result is kept in bnexp's
+cache folder (:func:`cache_dir`) under a key that changes with anything that could change
+it, so the table commands compose once per preset and config tree.
 """
 
 from __future__ import annotations
 
 import difflib
+import fcntl
+import hashlib
+import json
 import math
+import os
 from dataclasses import dataclass
 from functools import cached_property
+from importlib import metadata
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+import bnexp
 from bnexp.app.cmdline import compose_or_explain
 from bnexp.app.compose import config_dir, hydra_session, is_group, parser
 from bnexp.app.sweep import Job, Values, expand, parse_values, select, sweep_lines, union
@@ -26,6 +37,8 @@ from bnexp.engine.identity import fingerprint, override_key, result_config
 from bnexp.report.layouts import Layout, layout_from
 from bnexp.support.errors import ConfigError, unknown_choice
 from bnexp.support.options import split_options
+from bnexp.support.registry import PLUGINS_ENV, plugin_config_dirs
+from bnexp.support.runinfo import atomic_write
 
 SEED = "trainer.seed"
 SCALES = ("full", "quick")
@@ -127,16 +140,83 @@ def load_preset(name: str, scale: str = "full", overrides: Sequence[str] = ()) -
     return Preset(name, scale, cfg, tuple(overrides), tuple(task), tuple(sweep_lines(params)), sweeps)
 
 
+CACHE_ENV = "BNEXP_CACHE_DIR"  # where bnexp keeps what it can compute again (see cache_dir)
+
+
+def cache_dir() -> Path:
+    """bnexp's cache folder: ``$BNEXP_CACHE_DIR``, else ``bnexp`` in ``$XDG_CACHE_HOME``
+    (``~/.cache``). Anything in it may be deleted at any time."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bnexp"
+
+
 def job_configs(name: str, scale: str, jobs: Sequence[Job]) -> list[dict[str, Any]]:
+    """The result config of each job of a preset, as its run would record it
+    (:func:`compose_job_configs`), from the cache when this preset, scale and job list were
+    composed before with the same config files, bnexp code and Hydra (:func:`cache_key`).
+    Callers at the same time wait for the first to compose; where the cache cannot be read
+    or written, the configs are composed without it."""
+    path = cache_dir() / "job_configs" / f"{cache_key(name, scale, jobs)}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "w")
+    except OSError:
+        return compose_job_configs(name, scale, jobs)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+        configs = cached_configs(path, len(jobs))
+        if configs is None:
+            configs = compose_job_configs(name, scale, jobs)
+            text = json.dumps(configs)
+            if json.loads(text) == configs:  # plain values only: what is read back is what was composed
+                try:
+                    atomic_write(path, lambda f: f.write(text.encode()))
+                except OSError:
+                    pass
+    return configs
+
+
+def cached_configs(path: Path, count: int) -> Optional[list[dict[str, Any]]]:
+    """The ``count`` configs a cache file holds; None when it is missing or holds anything else."""
+    try:
+        configs = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(configs, list) and len(configs) == count and all(isinstance(c, dict) for c in configs):
+        return configs
+    return None
+
+
+def cache_key(name: str, scale: str, jobs: Sequence[Job]) -> str:
+    """A digest of everything :func:`compose_job_configs` computes from: the preset, scale
+    and jobs, every file of the config search path (bnexp's and the ``BNEXP_PLUGINS`` ones),
+    bnexp's own files (code, the resolvers' tables, a wheel's configs) and the versions of
+    Hydra and OmegaConf."""
+    digest = hashlib.sha256(json.dumps([name, scale, [list(job) for job in jobs], os.environ.get(PLUGINS_ENV, ""),
+                                        metadata.version("hydra-core"), metadata.version("omegaconf")]).encode())
+    package = Path(bnexp.__file__).resolve().parent
+    for root in (config_dir(), *plugin_config_dirs(), package, package.parent / "hydra_plugins" / "bnexp_searchpath"):
+        for path in sorted(p for p in Path(root).rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+            digest.update(f"\0{path.relative_to(root)}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def compose_job_configs(name: str, scale: str, jobs: Sequence[Job]) -> list[dict[str, Any]]:
     """The result config of each job of a preset, as its run would record it. Each
     combination of group choices is composed once; a job's values are set on it, the config
     resolved (so interpolations such as the BNP learning rates follow them), and the
-    values set back."""
+    values set back. Each distinct override is parsed once."""
     configs, bases = [], {}
     with hydra_session():
         read = parser()
+        overrides: dict[str, Any] = {}
         for job in jobs:
-            parsed = read.parse_overrides(list(job))
+            for line in job:
+                if line not in overrides:
+                    overrides[line] = read.parse_overrides([line])[0]
+            parsed = [overrides[line] for line in job]
             groups = tuple(o.input_line for o in parsed if is_group(o))
             if groups not in bases:
                 cfg = compose("train", [*preset_overrides(name, scale), *groups])

@@ -28,7 +28,6 @@ import yaml
 from bnexp.app.cells import CELLS
 from bnexp.app.cells import listed as cells_listed
 from bnexp.engine.identity import fingerprint, flatten, result_config, short_hash
-from bnexp.probes.callback import COLUMNS, PROBES_FILE, read_probes
 from bnexp.support.errors import DataError
 from bnexp.support.options import print_warning
 from bnexp.support.untrusted import RECORD_FILE, TABLE_FILE, read_regular_text, text_stream
@@ -211,6 +210,8 @@ def load_metrics(run_dir: str | Path) -> pd.DataFrame:
 
 def load_probes(run_dir: str | Path) -> pd.DataFrame:
     """A run's probes.csv (an empty frame with the columns when it is missing or unusable)."""
+    from bnexp.probes.callback import COLUMNS, PROBES_FILE, read_probes  # here: bnexp.probes imports torch
+
     path = Path(run_dir) / PROBES_FILE
     frame = number_table(path, lambda p: read_probes(p.parent), COLUMNS, ("step", "value"),
                          "its probe values are") if path.is_file() else None

@@ -11,6 +11,11 @@ is reported as such.
 A run that diverged counts as chance accuracy in the comparisons (it predicts nothing);
 a failed or missing run is left out and its finding says so. Runs live in
 ``<out>/<claim>/``; running a claim again reuses its finished runs.
+
+Every cell of the claims asked for is one unit of work (:func:`arm_cells`: a ``bnexp train
+-m`` of that cell, its seeds trained as one pack); ``jobs`` worker processes take the units
+of all the claims in turn (:func:`train_cells`), and each claim's verdicts are printed as
+its last unit ends. docs/claims.md ("How the runs are executed") says why.
 """
 
 from __future__ import annotations
@@ -20,20 +25,25 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import pandas as pd
+from joblib import Parallel, delayed
 
+from bnexp.app.sweep import pack_groups
 from bnexp.app.train import multirun
-from bnexp.probes.callback import read_probes
+from bnexp.engine.identity import override_key
+from bnexp.report.presets import SEED, job_value, load_preset
 from bnexp.report.results import load_summaries
 from bnexp.report.selection import select
 from bnexp.report.stability import at_chance, largest_stable
 from bnexp.support.errors import ConfigError, unknown_choice
 from bnexp.support.options import exit_on_error, split_options
+from bnexp.support.workers import ends_with_parent
 
 SCALES = ("full", "quick")
-DIGITS = ("data=digits", "data.image_size=8", "trainer.checkpoint_every=10")
+# Batches cut in memory: with no augmentation, bit-identical to the DataLoader's (docs/claims.md)
+DIGITS = ("data=digits", "data.image_size=8", "data.loader=device", "trainer.checkpoint_every=10")
 # CBN's CIFAR schedule (lr / 10 at 50% and 83% of 120 epochs) over 30 digits epochs of 12 steps
 CBN_DIGITS = (*DIGITS, "tags.data=digits", "trainer.epochs=30", "schedule.milestones=[15,25]")
 # POP-Norm's iteration schedule (lr / 10 at 16k and 24k of 30k) over the same 360 steps
@@ -228,6 +238,8 @@ def judge_bnp(frame: pd.DataFrame) -> list[Finding]:
 
 def judge_hessian(frame: pd.DataFrame) -> list[Finding]:
     """BNP Fig. 8: kappa(P^T H P) below kappa(H), in the plain run and in the BNP run."""
+    from bnexp.probes.callback import read_probes  # here: bnexp.probes imports torch, which the other judges do without
+
     parts, ok = [], True
     for _, run in frame.iterrows():
         rows = read_probes(run["run_dir"]).query("probe == 'hessian'")
@@ -385,20 +397,79 @@ def merged(*groups: Sequence[str]) -> list[str]:
     return list(by_key.values())
 
 
-def arm_overrides(arm: Arm, folder: Path, scale: str, jobs: int, extra: Sequence[str]) -> list[str]:
+def arm_overrides(arm: Arm, folder: Path, scale: str, extra: Sequence[str]) -> list[str]:
     """The ``bnexp train -m`` arguments of one arm."""
     seeds = arm.seeds if scale == "full" else arm.seeds[:1]
-    launcher = ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={jobs}"] if jobs > 1 else []
     return merged([f"experiment={arm.preset}"], arm.overrides, QUICK if scale == "quick" else (),
-                  [f"trainer.seed={','.join(map(str, seeds))}", f"hydra.sweep.dir={folder}"], launcher, extra)
+                  [f"trainer.seed={','.join(map(str, seeds))}", f"hydra.sweep.dir={folder}"], extra)
 
 
-def run_claim(claim: Claim, out: Path, scale: str, jobs: int, extra: Sequence[str]) -> tuple[list[Finding], int]:
-    """Train (or reuse) every arm of ``claim`` under ``out/<name>`` and judge the runs; the
-    findings and the exit code of the arms' sweeps (EXIT_FAILED when cells failed)."""
-    folder = out / claim.name
-    codes = [multirun(arm_overrides(arm, folder, scale, jobs, extra)) for arm in claim.arms]
-    return claim.judge(load_summaries(folder)), max(codes)
+@dataclass(frozen=True)
+class Cell:
+    """One cell of a claim: the ``bnexp train -m`` arguments that train its seeds."""
+
+    claim: str
+    args: tuple[str, ...]
+
+
+def arm_cells(claim: str, arm: Arm, folder: Path, scale: str, extra: Sequence[str]) -> list[Cell]:
+    """The cells of one arm: the jobs of its sweep as bnexp's sweeper expands it (the preset's
+    sweeps with the arm's and the command line's values), grouped by all but the seed; a
+    cell's seeds train as one pack (``hydra/launcher=pack``) when there are several. Each run
+    keeps the directory the arm's sweep gives it."""
+    args = arm_overrides(arm, folder, scale, extra)
+    hydra = [a for a in args if a.startswith(("hydra.", "hydra/"))]
+    jobs = load_preset(arm.preset, "full", [a for a in args if not a.startswith("experiment=")]).jobs
+    cells = []
+    for group in pack_groups(jobs):
+        seeds = [str(job_value(jobs[i], SEED)) for i in group]
+        fixed = [o for o in jobs[group[0]] if override_key(o) != SEED]
+        packed = ["hydra/launcher=pack"] if len(seeds) > 1 else []
+        cells.append(Cell(claim, (f"experiment={arm.preset}", *fixed, f"{SEED}={','.join(seeds)}",
+                                  *merged(packed, hydra))))
+    return cells
+
+
+@ends_with_parent
+def train_cell(args: Sequence[str]) -> int:
+    """``bnexp train -m ARGS`` in this process: 0, or EXIT_FAILED when runs failed."""
+    return multirun(list(args))
+
+
+def train_cells(cells: Sequence[Cell], jobs: int) -> Iterable[int]:
+    """Train ``cells`` in order, ``jobs`` at a time in worker processes that stay for all of
+    them (in this process for one); each one's :func:`train_cell` code as it ends, in order."""
+    if jobs == 1:
+        return (train_cell(cell.args) for cell in cells)
+    return Parallel(n_jobs=jobs, return_as="generator")(delayed(train_cell)(cell.args) for cell in cells)
+
+
+def run_claims(names: Sequence[str], out: Path, scale: str, jobs: int,
+               extra: Sequence[str]) -> dict[str, tuple[list[Finding], int]]:
+    """Train (or reuse) every cell of the claims ``names`` under ``out/<name>`` and judge each
+    claim's runs as its last cell ends (its verdicts printed then); each claim's findings and
+    the exit code of its cells' sweeps (EXIT_FAILED when runs failed)."""
+    cells = {name: [c for arm in CLAIMS[name].arms for c in arm_cells(name, arm, out / name, scale, extra)]
+             for name in names}
+    left = {name: len(cells[name]) for name in names}
+    codes = dict.fromkeys(names, 0)
+    results: dict[str, tuple[list[Finding], int]] = {}
+
+    def judge(name: str) -> None:
+        claim = CLAIMS[name]
+        results[name] = claim.judge(load_summaries(out / name)), codes[name]
+        lines = [f"  {f.claim}: {f.verdict} ({f.measured})" for f in results[name][0]]
+        print("\n".join([f"== claim {name}, {claim.source}:", *lines]), flush=True)
+
+    order = [cell for name in names for cell in cells[name]]
+    for name in [n for n in names if not left[n]]:
+        judge(name)
+    for cell, code in zip(order, train_cells(order, jobs)):
+        codes[cell.claim] = max(codes[cell.claim], code)
+        left[cell.claim] -= 1
+        if not left[cell.claim]:
+            judge(cell.claim)
+    return {name: results[name] for name in names}
 
 
 def render(rows: list[tuple[Claim, Finding]], fmt: str) -> str:
@@ -446,7 +517,7 @@ def main(args: list[str]) -> tuple[str, int]:
     if jobs < 1:
         raise ConfigError(f"jobs={jobs} is not valid: a number of parallel runs >= 1")
     out = Path(opts["out"] or ("results/claims" if opts["scale"] == "full" else "results/quick/claims"))
-    results = {name: run_claim(CLAIMS[name], out, opts["scale"], jobs, extra) for name in chosen}
+    results = run_claims(chosen, out, opts["scale"], jobs, extra)
     rows = [(CLAIMS[name], finding) for name, (findings, _) in results.items() for finding in findings]
     table = render(rows, opts["format"])
     out.mkdir(parents=True, exist_ok=True)

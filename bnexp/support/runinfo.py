@@ -12,18 +12,24 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Any, Callable, Mapping
-
-import numpy as np
-import torch
+from typing import IO, TYPE_CHECKING, Any, Callable, Mapping
 
 import bnexp
 from bnexp.support.errors import ConfigError
 from bnexp.support.untrusted import RECORD_FILE, read_regular_text
 
+if TYPE_CHECKING:
+    import torch
+
+# torch and numpy are imported by the functions that use them: the commands that read run
+# files only (bnexp table, plot, --version) do not pay for importing torch.
+
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
     """Seed python, numpy and torch (CPU and CUDA); optionally force deterministic kernels."""
+    import numpy as np
+    import torch
+
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -41,6 +47,8 @@ def configure_backends(tf32: bool, deterministic: bool) -> dict[str, bool]:
     ``trainer.amp=off trainer.tf32=false`` is IEEE float32 throughout. ``cudnn.benchmark``
     (autotuned convolution algorithms) is on unless the run asks for deterministic kernels.
     """
+    import torch
+
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cudnn.benchmark = not deterministic
@@ -55,6 +63,8 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     (SLURM binding one GPU per task), that one. (``trainer.nproc`` processes on a machine
     with fewer GPUs are refused before they start: :func:`bnexp.app.torchrun.check_gpus`.)
     """
+    import torch
+
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
@@ -102,6 +112,8 @@ def source_of_bnexp() -> dict[str, Any]:
 
 def version_stamp() -> dict[str, Any]:
     """What a summary records of the software: :func:`source_of_bnexp` and torch's version."""
+    import torch
+
     return {**source_of_bnexp(), "torch_version": torch.__version__}
 
 

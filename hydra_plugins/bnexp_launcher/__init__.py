@@ -44,15 +44,15 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, run_job, setup
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from bnexp.app.compose import prepare_config_tree
-from bnexp.app.jobs import Job, train_pack_job
 from bnexp.app.sweep import distinct_packs, pack_groups, record
 from bnexp.app.torchrun import die_with_parent
 from bnexp.app.workers import PackClaims, bind_device, read_plan, visible_gpus, write_plan
 from bnexp.engine.identity import fingerprint
-from bnexp.engine.pack import per_run_values, shared_settings, unpackable
-from bnexp.engine.preemption import PreemptionGuard
 from bnexp.support.errors import ConfigError
 
+# Hydra imports every plugin module at its first plugin lookup, in every bnexp command that
+# composes a config (a shell completion, a table): the launcher imports the engine, and so
+# torch, in the methods that train.
 log = logging.getLogger(__name__)
 ROUNDS = 2  # rounds of workers: the second resumes the packs of workers that were killed
 
@@ -102,6 +102,8 @@ class PackLauncher(BasicLauncher):
 
     def plan(self, job_overrides: Sequence[Sequence[str]], configs: list[DictConfig]) -> list[list[int]]:
         """The sweep's packs (positions of its jobs); a job that cannot be packed alone."""
+        from bnexp.engine.pack import per_run_values, unpackable
+
         packs = []
         for group in pack_groups(job_overrides):
             reasons = unpackable(configs[group[0]])
@@ -120,6 +122,7 @@ class PackLauncher(BasicLauncher):
         pack = config.trainer.get("pack", 1)
         if pack != "auto":
             return self.max_pack if pack == 1 else int(pack)
+        from bnexp.engine.pack import shared_settings
         from bnexp.engine.pack_size import measured_pack
 
         kind = fingerprint(shared_settings(task_config(config)))
@@ -152,6 +155,8 @@ class PackLauncher(BasicLauncher):
         them all and the others get their returns."""
         if len(configs) == 1:
             return self._run(configs[0], None)
+        from bnexp.app.jobs import train_pack_job
+
         jobs = [_job(config) for config in configs]
         [first] = self._run(configs[0], lambda _: train_pack_job(jobs, sweeping=True))
         if first.status != JobStatus.COMPLETED:
@@ -164,6 +169,8 @@ class PackLauncher(BasicLauncher):
         """One round: ``workers`` processes here, each taking packs until none is left. Returns
         how the killed ones ended; a worker stopped by a signal it handled (preemption, Ctrl-C:
         its runs checkpointed) ends this process with its exit code, once all have ended."""
+        from bnexp.engine.preemption import PreemptionGuard
+
         context = multiprocessing.get_context("spawn")
         state = hydra_state()
         procs = [context.Process(target=work, args=(self, folder, slot, workers, gpus, os.getpid(), state),
@@ -248,6 +255,8 @@ def _value(result: JobReturn) -> Any:
 
 def _job(config: DictConfig) -> Any:
     """A sweep job's config, Hydra config and run directory, as Hydra's run_job works them out."""
+    from bnexp.app.jobs import Job
+
     HydraConfig.instance().set_config(config)
     run_dir = Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
     with read_write(config.hydra.runtime), open_dict(config.hydra.runtime):
