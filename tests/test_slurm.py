@@ -219,7 +219,7 @@ def test_pack_slurm_workers_are_the_tasks_of_one_job(cluster: None, tmp_path: Pa
     monkeypatch.chdir(local)
     code, said = run_cli(["train", "-m", "hydra/launcher=pack", *sweep], capsys)
     assert code == 0, said
-    cells = sorted(p.parent.relative_to(local) for p in local.glob("results/multirun/*/*/summary.json"))
+    cells = sorted(p.parent.relative_to(local) for p in local.glob("results/runs/*/summary.json"))  # the cells listed
     assert len(cells) == 6
     for cell in cells:
         assert len(read_summary(on_slurm / cell)["packed_with"]) == 2
