@@ -176,7 +176,8 @@ def run_dirs(folder: Path) -> list[Path]:
 
 def load_summaries(results: Path) -> pd.DataFrame:
     """Every run of :func:`run_dirs`, one row each, a run that sits there more than once
-    counted once (:func:`counted_once`)."""
+    counted once (:func:`counted_once`); seeds started from a replaced weights file are named
+    (:func:`warn_pooled_weights`)."""
     rows = [row for row in (summary_row(d / "summary.json") for d in run_dirs(results)) if row is not None]
     frame = counted_once(pd.DataFrame(rows), Path(results))
     warn_pooled_weights(frame, Path(results))
