@@ -81,7 +81,7 @@ def test_table_over_a_summary_that_is_a_fifo_or_a_device_warns(finished_run: Pat
     assert done.returncode == 0, done.stderr
     assert f"{finished_run / 'fifo' / 'summary.json'} is a FIFO (named pipe), not a regular file" in done.stderr
     assert f"{finished_run / 'zero' / 'summary.json'} is a character device, not a regular file" in done.stderr
-    assert "| 6.25 (1) " in done.stdout and "(0; 2 failed)" in done.stdout, done.stdout
+    assert "| 6.25 (1) " in done.stdout and "(0 of 2; 2 failed)" in done.stdout, done.stdout
 
 
 def test_a_sweep_list_or_metrics_that_is_a_fifo_or_a_device_is_not_read(finished_run: Path) -> None:
