@@ -70,15 +70,22 @@ def finished_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
     return tmp_path / "runs"
 
 
+def table_beside_a_fifo_and_a_device(runs: Path, name: str) -> subprocess.CompletedProcess:
+    """``bnexp table RUNS`` (exit 0) with a FIFO named ``name`` in RUNS/fifo and a link of that
+    name to /dev/zero in RUNS/zero."""
+    for folder in ("fifo", "zero"):
+        (runs / folder).mkdir()
+    os.mkfifo(runs / "fifo" / name)
+    (runs / "zero" / name).symlink_to("/dev/zero")
+    done = bnexp(["table", str(runs)], runs.parent)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def test_table_over_a_summary_that_is_a_fifo_or_a_device_warns(finished_run: Path) -> None:
     """``bnexp table`` waited forever on a FIFO named summary.json and read a summary.json linked
     to /dev/zero until memory ran out: each is one warning naming it, the run counts as failed."""
-    for name in ("fifo", "zero"):
-        (finished_run / name).mkdir()
-    os.mkfifo(finished_run / "fifo" / "summary.json")
-    (finished_run / "zero" / "summary.json").symlink_to("/dev/zero")
-    done = bnexp(["table", str(finished_run)], finished_run.parent)
-    assert done.returncode == 0, done.stderr
+    done = table_beside_a_fifo_and_a_device(finished_run, "summary.json")
     assert f"{finished_run / 'fifo' / 'summary.json'} is a FIFO (named pipe), not a regular file" in done.stderr
     assert f"{finished_run / 'zero' / 'summary.json'} is a character device, not a regular file" in done.stderr
     assert "| 6.25 (1) " in done.stdout and "(0 of 2; 2 failed)" in done.stdout, done.stdout
@@ -91,12 +98,7 @@ def test_a_sweep_list_or_metrics_that_is_a_fifo_or_a_device_is_not_read(finished
     warning naming it; a run's training time is then taken from its summary."""
     from bnexp.app.sweep import trained_seconds
 
-    for name in ("fifo", "zero"):
-        (finished_run / name).mkdir()
-    os.mkfifo(finished_run / "fifo" / "cells.txt")
-    (finished_run / "zero" / "cells.txt").symlink_to("/dev/zero")
-    done = bnexp(["table", str(finished_run)], finished_run.parent)
-    assert done.returncode == 0, done.stderr
+    done = table_beside_a_fifo_and_a_device(finished_run, "cells.txt")
     for name, what in (("fifo", "a FIFO (named pipe)"), ("zero", "a character device")):
         assert (f"bnexp: warning: {finished_run / name / 'cells.txt'} is {what}, not a regular file: bnexp reads "
                 "only regular files there; it lists no cells") in done.stderr.splitlines()
