@@ -92,6 +92,8 @@ BAD_VALUES = [
     # a literal ${...} in the run's folder: Hydra resolved it again (an empty folder left, the run elsewhere)
     ("hydra.run.dir=out/\\${x}", "hydra.run.dir names the folder out/${x}, which holds '${': Hydra would read it as "
                                   "an interpolation again"),
+    # the same with the launcher of two processes, which failed before any rank started
+    ("trainer.nproc=2 hydra.run.dir=out/\\${x}", "hydra.run.dir names the folder out/${x}, which holds '${'"),
     # a page of OmegaConf's traceback
     ("optim.lr=${nope.nope}", "optim.lr=${nope.nope} cannot be resolved: Interpolation key 'nope.nope' not found"),
     ("hydra.run.dir=${nope.nope}", "hydra.run.dir cannot be resolved: Interpolation key 'nope.nope' not found"),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from bnexp.data import build_data
 from bnexp.support.errors import EXIT_LOCKED, DataError
@@ -69,18 +70,48 @@ def finished_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
     return tmp_path / "runs"
 
 
+def table_beside_a_fifo_and_a_device(runs: Path, name: str) -> subprocess.CompletedProcess:
+    """``bnexp table RUNS`` (exit 0) with a FIFO named ``name`` in RUNS/fifo and a link of that
+    name to /dev/zero in RUNS/zero."""
+    for folder in ("fifo", "zero"):
+        (runs / folder).mkdir()
+    os.mkfifo(runs / "fifo" / name)
+    (runs / "zero" / name).symlink_to("/dev/zero")
+    done = bnexp(["table", str(runs)], runs.parent)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def test_table_over_a_summary_that_is_a_fifo_or_a_device_warns(finished_run: Path) -> None:
     """``bnexp table`` waited forever on a FIFO named summary.json and read a summary.json linked
     to /dev/zero until memory ran out: each is one warning naming it, the run counts as failed."""
-    for name in ("fifo", "zero"):
-        (finished_run / name).mkdir()
-    os.mkfifo(finished_run / "fifo" / "summary.json")
-    (finished_run / "zero" / "summary.json").symlink_to("/dev/zero")
-    done = bnexp(["table", str(finished_run)], finished_run.parent)
-    assert done.returncode == 0, done.stderr
+    done = table_beside_a_fifo_and_a_device(finished_run, "summary.json")
     assert f"{finished_run / 'fifo' / 'summary.json'} is a FIFO (named pipe), not a regular file" in done.stderr
     assert f"{finished_run / 'zero' / 'summary.json'} is a character device, not a regular file" in done.stderr
     assert "| 6.25 (1) " in done.stdout and "(0 of 2; 2 failed)" in done.stdout, done.stdout
+
+
+def test_a_sweep_list_or_metrics_that_is_a_fifo_or_a_device_is_not_read(finished_run: Path) -> None:
+    """A sweep folder's cells.txt and a run's metrics.csv were read with plain ``open``: a FIFO
+    under either name made ``bnexp table`` (and a dry run's projected time) wait forever, a
+    link to /dev/zero read until memory ran out. A list that is neither lists nothing, with a
+    warning naming it; a run's training time is then taken from its summary."""
+    from bnexp.app.sweep import trained_seconds
+
+    done = table_beside_a_fifo_and_a_device(finished_run, "cells.txt")
+    for name, what in (("fifo", "a FIFO (named pipe)"), ("zero", "a character device")):
+        assert (f"bnexp: warning: {finished_run / name / 'cells.txt'} is {what}, not a regular file: bnexp reads "
+                "only regular files there; it lists no cells") in done.stderr.splitlines()
+    assert "| 6.25 (1) " in done.stdout, done.stdout
+    run = finished_run / "ok"
+    wall = json.loads((run / "summary.json").read_text())["wall_seconds"]
+    for target in (None, "/dev/zero"):
+        (run / "metrics.csv").unlink()
+        if target is None:
+            os.mkfifo(run / "metrics.csv")
+        else:
+            (run / "metrics.csv").symlink_to(target)
+        assert trained_seconds(run) == wall
 
 
 @pytest.mark.parametrize("lock", ["fifo", "pid 2**70"])
@@ -170,13 +201,17 @@ def test_an_empty_protocol_2_batch_is_read(tmp_path: Path) -> None:
     assert len(build_data(cifar_cfg(tmp_path)).train) == 4 * 20
 
 
-def test_an_image_that_is_a_fifo_is_unreadable_not_a_hang(tmp_path: Path) -> None:
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_an_image_that_is_a_fifo_is_unreadable_not_a_hang(tmp_path: Path, decode: str) -> None:
     """torchvision's image loader opened a FIFO among ImageNet's images and waited forever: it is
-    an unreadable image (data.bad_images=fail stops naming it; skip serves the next one)."""
+    an unreadable image (data.bad_images=fail stops naming it; skip serves the next one), on
+    both paths: PIL's (``data.decode=cpu``) and the encoded files the device decodes (``gpu``,
+    read here on the CPU by :func:`bnexp.data.jpeg.read_encoded`)."""
     write_image_folders(tmp_path)
     first = sorted((tmp_path / "train").rglob("*.JPEG"))[0]
     first.unlink()
     os.mkfifo(first)
+    cpu = torch.device("cpu")
     with pytest.raises(DataError, match=re.escape(f"unreadable image {first}: UnsafeFile: {first} is a FIFO")):
-        build_data(imagenet_cfg(tmp_path)).train[0]
-    assert build_data(imagenet_cfg(tmp_path, bad_images="skip")).train[0][1] == 0
+        build_data(imagenet_cfg(tmp_path, decode=decode)).feed(cpu).train[0]
+    assert build_data(imagenet_cfg(tmp_path, decode=decode, bad_images="skip")).feed(cpu).train[0][1] == 0

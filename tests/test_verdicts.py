@@ -225,6 +225,64 @@ def test_copies_of_a_run_count_once_and_the_warning_names_the_copy_taken(
     assert code == 0 and "| all    | 77.33 ± 23.69 (3) |" in out  # 90, 92 and 50: the copies left out
 
 
+def started_from(run: Path, weights: str) -> None:
+    """Record in ``run``'s summary that it started from trainer.init_from=w.pt holding ``weights``."""
+    summary = json.loads((run / "summary.json").read_text())
+    summary["config"]["trainer"]["init_from"] = "w.pt"
+    summary["init_weights"] = {"w.pt": {"size": 10, "mtime_ns": 1, "sha256": weights * 64}}
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_seeds_started_from_a_replaced_weights_file_are_named_as_pooled(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """New seeds trained from the replaced file of one trainer.init_from path went into the cell
+    of the old seeds unnoticed. The table says so, naming a run of each file; seeds of one file,
+    and runs of other settings, are no such case."""
+    for seed, weights in ((0, "a"), (1, "a"), (2, "b")):
+        started_from(recorded_run(tmp_path, f"seed{seed}", seed, 90.0 + seed), weights)
+    started_from(recorded_run(tmp_path / "other", "seed0", 0, 80.0), "c")  # other settings: optim.lr
+    other = tmp_path / "other" / "seed0" / "summary.json"
+    other.write_text(other.read_text().replace('"lr": 0.1', '"lr": 0.2'))
+    capsys.readouterr()
+    assert len(load_summaries(tmp_path)) == 4
+    assert capsys.readouterr().err == (
+        f"bnexp: warning: runs under {tmp_path} that differ only in their seed started from different weights under "
+        f"one trainer.init_from path (its file replaced between them), which a table pools: {tmp_path / 'seed0'} "
+        f"(sha256 aaaaaaaaaaaa...), {tmp_path / 'seed2'} (sha256 bbbbbbbbbbbb...); give new starting weights a file "
+        "name of their own\n")
+    shutil.rmtree(tmp_path / "seed2")
+    load_summaries(tmp_path)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_preset_table_counts_a_copy_once_and_an_infinite_mean_as_failed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The reported cases through ``bnexp table cbn/table1``: a run copied beside itself and
+    under old/ made its cell a confident verdict on identical runs (``10.94 ± 0.00 (2)``), and a
+    summary whose top-1 is Infinity got ``agree p=1``. The copies count once (the warning names
+    them); the infinite run counts as failed, and the cell is tested on its finite runs."""
+    from bnexp.engine.identity import fingerprint
+
+    write_cbn_runs(tmp_path, [(1, "sigmoid", 1.0, 0, 10.94), (1, "sigmoid", 1.0, 1, 11.20), (1, "sigmoid", 1.0, 2, 0.0)])
+    for i in range(3):  # as bnexp records runs: with their fingerprint
+        path = tmp_path / f"run{i}" / "summary.json"
+        summary = json.loads(path.read_text())
+        path.write_text(json.dumps({**summary, "fingerprint": fingerprint(summary["config"])}))
+    infinite = tmp_path / "run2" / "summary.json"
+    infinite.write_text(infinite.read_text().replace('"final_top1": 0.0', '"final_top1": Infinity'))
+    copy_of(tmp_path / "run0", tmp_path / "run0.bak")
+    copy_of(tmp_path / "run0", tmp_path / "old" / "run0")
+    code, out = run_cli(["table", "cbn/table1", f"results={tmp_path}", "cbn_row=r1", "act=sigmoid",
+                         "trainer.seed=0,1,2"], capsys)
+    assert code == 0, out
+    assert (f"bnexp: warning: 1 run(s) under {tmp_path} sit there more than once (the same recorded fingerprint, "
+            f"data and starting weights): each is counted once: took {tmp_path / 'run0'}, ignored "
+            f"{tmp_path / 'run0.bak'}, {tmp_path / 'old' / 'run0'}") in out.splitlines()
+    cell, test = cell_and_test(out)
+    assert cell == "11.07 ± 0.18 (2 of 3; 1 failed)"
+    assert test == f"differ p={mp_welch([10.94, 11.20], 78.97, 0.53, 10):.2g}"
+
+
 def test_load_runs_gives_one_row_per_run_with_config_summary_and_last_metrics(tmp_path: Path) -> None:
     recorded_run(tmp_path, "a", 0, 90.0)
     recorded_run(tmp_path, "b", 1, 92.0)

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Sequence
 
 from bnexp.engine.identity import cell_name
+from bnexp.support.options import print_warning
+from bnexp.support.untrusted import TABLE_FILE, UnsafeFile, read_regular
 
 CELLS = "cells.txt"  # a listing sweep folder: one cell directory a line, relative to the folder
 
@@ -68,9 +70,13 @@ def note_cell(sweep_dir: Path, home: Path) -> None:
 
 def listed(sweep_dir: Path) -> list[Path]:
     """The cell directories a listing folder names, each once, in the order they were added
-    (none for a folder without a list); a line that is no path is passed over."""
+    (none for a folder without a list); a line that is no path is passed over. A list that is
+    no regular file (a FIFO, a device) lists nothing, with a warning naming it."""
     try:
-        lines = (sweep_dir / CELLS).read_text(errors="replace").splitlines()
+        lines = read_regular(sweep_dir / CELLS, TABLE_FILE).decode(errors="replace").splitlines()
+    except UnsafeFile as err:
+        print_warning(f"{err}; it lists no cells")
+        return []
     except OSError:
         return []
     found = [sweep_dir / line.strip() for line in lines if line.strip() and "\0" not in line]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import io
 import itertools
 import json
 import logging
@@ -44,6 +45,7 @@ from bnexp.engine.identity import PER_RUN_KEYS, cell_name, differences, fingerpr
 from bnexp.support.errors import EXIT_FAILED, ConfigError, OtherRunThere
 from bnexp.support.runinfo import duration, read_run_json
 from bnexp.support.runlock import HELD_ENV
+from bnexp.support.untrusted import TABLE_FILE, open_regular
 
 # The functions that check finished runs import the engine (checkpoints, config rules, data
 # files) in their bodies: those modules load torch, which the table commands, users of this
@@ -390,9 +392,10 @@ def cell_plan(run_dir: Path, fresh: bool = False) -> CellPlan:
 
 def trained_seconds(run_dir: Path) -> Optional[float]:
     """How long a finished run trained: the ``seconds`` of its last metrics.csv row (summed
-    over the processes that resumed it), else its summary's ``wall_seconds``."""
+    over the processes that resumed it), else its summary's ``wall_seconds`` (a metrics.csv that
+    is no regular file, a FIFO say, is not read)."""
     try:
-        with open(run_dir / "metrics.csv", newline="") as f:
+        with io.TextIOWrapper(open_regular(run_dir / "metrics.csv", TABLE_FILE), newline="") as f:
             rows = list(csv.DictReader(f))
         return float(rows[-1]["seconds"])
     except (OSError, IndexError, KeyError, TypeError, ValueError, csv.Error):

@@ -33,6 +33,7 @@ from bnexp.support.options import print_warning
 from bnexp.support.untrusted import RECORD_FILE, TABLE_FILE, read_regular_text, text_stream
 
 # The summary fields that tables and plots compute with: a number or null in any summary.
+REPLICATES = ("trainer.seed",)  # overrides whose runs a cell pools
 NUMERIC_FIELDS = re.compile(r"(final|best)_\w+|steps_per_epoch|num_classes|wall_seconds|epochs|steps|params")
 
 
@@ -86,6 +87,33 @@ def run_identity(summary: Mapping[str, Any]) -> Optional[str]:
     return short_hash(json.dumps([recorded, digests]), 24)
 
 
+def starting_weights(summary: Mapping[str, Any]) -> Optional[str]:
+    """The sha256 of the file a run started from (its ``init_weights`` record), None for a run
+    started from scratch."""
+    record = summary.get("init_weights")
+    entries = record.values() if isinstance(record, Mapping) else ()
+    return ",".join(sorted(str(e.get("sha256")) for e in entries if isinstance(e, Mapping))) or None
+
+
+def warn_pooled_weights(frame: pd.DataFrame, results: Path) -> None:
+    """A warning when runs that differ in their seed only started from different weights (the
+    file of one ``trainer.init_from`` path replaced between them): a table's cell pools them."""
+    if "starting_weights" not in frame:
+        return
+    started = frame[frame["starting_weights"].notna()]
+    groups: dict[str, dict[str, str]] = {}
+    for config, weights, run_dir in zip(started["result_config"], started["starting_weights"], started["run_dir"]):
+        settings = {k: v for k, v in config.items() if k not in REPLICATES}
+        groups.setdefault(json.dumps(settings, sort_keys=True, default=str), {}).setdefault(weights, run_dir)
+    mixed = [runs for runs in groups.values() if len(runs) > 1]
+    if mixed:
+        named = ", ".join(f"{run_dir} (sha256 {weights[:12]}...)" for weights, run_dir in mixed[0].items())
+        more = f"; and {len(mixed) - 1} more such settings" if len(mixed) > 1 else ""
+        print_warning(f"runs under {results} that differ only in their seed started from different weights "
+                      f"under one trainer.init_from path (its file replaced between them), which a table pools: "
+                      f"{named}{more}; give new starting weights a file name of their own")
+
+
 def _digest_fields(node: Any, depth: int = 0) -> list[tuple[str, Any]]:
     """Every ``(key, value)`` under ``node`` whose key names a digest (md5, sha256, digest),
     the run's config left out; a few levels deep (``data_files`` -> path -> md5)."""
@@ -117,6 +145,7 @@ def summary_row(path: Path) -> Optional[dict[str, Any]]:
     try:
         summary = read_summary(path)
         where["run_identity"] = run_identity(summary)
+        where["starting_weights"] = starting_weights(summary)
         config = summary.pop("config", {})
         row = {**flatten(config), **{k: v for k, v in summary.items() if not isinstance(v, (dict, list))}}
         identity = {"result_config": result_config(config), "fingerprint": fingerprint(config)}
@@ -147,9 +176,12 @@ def run_dirs(folder: Path) -> list[Path]:
 
 def load_summaries(results: Path) -> pd.DataFrame:
     """Every run of :func:`run_dirs`, one row each, a run that sits there more than once
-    counted once (:func:`counted_once`)."""
+    counted once (:func:`counted_once`); seeds started from a replaced weights file are named
+    (:func:`warn_pooled_weights`)."""
     rows = [row for row in (summary_row(d / "summary.json") for d in run_dirs(results)) if row is not None]
-    return counted_once(pd.DataFrame(rows), Path(results))
+    frame = counted_once(pd.DataFrame(rows), Path(results))
+    warn_pooled_weights(frame, Path(results))
+    return frame
 
 
 # Which copy of a run a table takes: a completed one first, then a diverged one; then the
@@ -243,4 +275,4 @@ def load_runs(path: str | Path) -> pd.DataFrame:
         return frame
     last = [load_metrics(run).tail(1).add_prefix("metrics.").reset_index(drop=True) for run in frame["run_dir"]]
     metrics = pd.concat([row if len(row) else pd.DataFrame(index=[0]) for row in last], ignore_index=True)
-    return pd.concat([frame.drop(columns=["result_config", "run_identity"], errors="ignore"), metrics], axis=1)
+    return pd.concat([frame.drop(columns=["result_config", "run_identity", "starting_weights"], errors="ignore"), metrics], axis=1)

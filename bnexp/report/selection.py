@@ -14,10 +14,9 @@ import pandas as pd
 from bnexp.engine.identity import differences, is_non_result
 from bnexp.report.layouts import Layout, same
 from bnexp.report.presets import Preset
+from bnexp.report.results import REPLICATES
 from bnexp.report.stability import largest_stable
 from bnexp.support.errors import ConfigError
-
-REPLICATES = ("trainer.seed",)  # overrides whose runs a cell pools
 
 
 def select(frame: pd.DataFrame, keys: Mapping[str, Any]) -> pd.DataFrame:
