@@ -184,7 +184,8 @@ def audit(pack: Pack, step: Callable[[torch.Tensor, torch.Tensor], None]) -> lis
     return mode.problems()
 
 
-AUDITED = [*((norm, ()) for norm in NORMS), *MIXED_RHO.items()]  # (norm, each run's rho)
+AUDITED = [*(pytest.param(norm, (), id=norm) for norm in NORMS),  # (norm, each run's rho)
+           *(pytest.param(norm, rhos, id=f"{norm}-rho{'-'.join(map(str, rhos))}") for norm, rhos in MIXED_RHO.items())]
 
 
 @pytest.mark.parametrize("norm, rhos", AUDITED)
