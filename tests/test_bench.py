@@ -52,17 +52,22 @@ def test_bench_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert all(by_name[name]["images_per_s"] > 0 and by_name[name]["speedup"] > 0 for name in ("device", "torch-float32"))
 
 
-def test_bench_graph(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """On a CPU: today's step, the engine's and a bare loop (the graph cases need CUDA)."""
+def test_bench_graph(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU: today's step, the engine's and a bare loop (the graph cases need CUDA); a
+    budget that holds no block expected to last as long as the one before leaves ``cbn`` out."""
+    from bnexp.bench.common import Budget
+
+    monkeypatch.setattr(Budget, "allows", lambda self, expected: expected == 0)
     out = tmp_path / "graph.json"
-    code, text = run_cli(["bench", "graph", "norms=bn", "amps=off", "cases=eager,step,bare", "batch=8", "number=1",
-                          "warmup=1", "epochs=1", "steps_per_epoch=5", *QUICK, f"out={out}", *TOY_MODEL, *TOY_DATA],
-                         capsys)
+    code, text = run_cli(["bench", "graph", "norms=bn,cbn", "amps=off", "cases=eager,step,bare", "batch=8", "number=1",
+                          "warmup=1", "epochs=1", "steps_per_epoch=5", "budget=60", *QUICK, f"out={out}", *TOY_MODEL,
+                          *TOY_DATA], capsys)
     assert code == 0, text
-    records = json.loads(out.read_text())
+    *records, skipped = json.loads(out.read_text())
     assert [r["mode"] for r in records] == ["eager", "step", "bare"]
     assert all(r["ms_per_step"] > 0 and r["projected_minutes"] > 0 and r["gpu_busy"] is None for r in records)
     assert records[0]["ratio"] == 1.0 and "images_per_s" in text
+    assert (skipped["name"], skipped["amp"], skipped["mode"]) == ("cbn", "off", "left out (budget)")
 
 
 def test_bench_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

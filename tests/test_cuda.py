@@ -25,6 +25,7 @@ from tests.conftest import TINY, compose_cfg, read_summary, run_cli
 from tests.test_resilience import EXACT as EXACT_PACK
 from tests.test_resilience import CrashAt, assert_same_run, run_inprocess
 from tests.test_speed_paths import bound_si
+from tests.test_step import AUDITED
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: run `make gpu-check` on a GPU")]
@@ -194,8 +195,9 @@ def test_graphed_run_resumes_bit_exactly(tmp_path: Path) -> None:
 
 
 def test_graphed_pack_freezes_a_diverged_run_as_the_plain_pack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A NaN in run 1's batch during the replays: the run diverges and is frozen where the plain
-    pack freezes it (the step is captured again with its slot frozen), the others end bit-identical."""
+    """A NaN in run 1's batch during the replays of a pack across rho (0.5, 1, 4): the run
+    diverges and is frozen where the plain pack freezes it (the step is captured again with its
+    slot frozen), the others end bit-identical."""
     from bnexp.engine.pack import PackMember, train_pack
 
     original, drawn = PackMember.next_batch, {"count": 0}
@@ -213,7 +215,8 @@ def test_graphed_pack_freezes_a_diverged_run_as_the_plain_pack(tmp_path: Path, m
     overrides = [*TINY, *EXACT_PACK, *GRAPHED, "data.loader=torch", "norm=cbn"]
     for graph in (False, True):
         drawn["count"] = 0
-        cfgs = [compose_cfg([*overrides, f"trainer.seed={s}", f"trainer.cuda_graph={graph}"]) for s in range(3)]
+        cfgs = [compose_cfg([*overrides, f"trainer.seed={s}", f"norm.rho={rho}", f"trainer.cuda_graph={graph}"])
+                for s, rho in enumerate((0.5, 1.0, 4.0))]
         train_pack(cfgs, [tmp_path / str(graph) / f"seed{s}" for s in range(3)])
     for seed in (0, 2):
         assert_same_run(tmp_path / "False" / f"seed{seed}", tmp_path / "True" / f"seed{seed}")
@@ -223,14 +226,15 @@ def test_graphed_pack_freezes_a_diverged_run_as_the_plain_pack(tmp_path: Path, m
     assert repr([graphed.get(k) for k in outcome]) == repr([plain.get(k) for k in outcome])  # NaN as NaN
 
 
-@pytest.mark.parametrize("norm", ["bn", "cbn", "bnp", "brn", "bn_4things"])
-def test_engine_step_has_no_cpu_tensor_and_no_host_read_on_cuda(tmp_path: Path, norm: str) -> None:
-    """The engine's step on CUDA (a pack with a frozen run, its method hooks, SGD at the
-    device's rates) checked by HostUse after its first step: no CPU operand, no host read,
-    no host value that changes between steps."""
+@pytest.mark.parametrize("norm, rhos", AUDITED)
+def test_engine_step_has_no_cpu_tensor_and_no_host_read_on_cuda(tmp_path: Path, norm: str,
+                                                                 rhos: tuple[float, ...]) -> None:
+    """The engine's step on CUDA (a pack with a frozen run, its runs at one rho or each at its
+    own, its method hooks, SGD at the device's rates) checked by HostUse after its first step:
+    no CPU operand, no host read, no host value that changes between steps."""
     from tests.test_step import Pack, audit
 
-    pack = Pack(norm, torch.float32, tmp_path, CUDA)
+    pack = Pack(norm, torch.float32, tmp_path, CUDA, rhos)
     pack.freezer.freeze(pack.state, 1)
     step = pack.engine_step()
     assert audit(pack, lambda x, y: step.run()) == []

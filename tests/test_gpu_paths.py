@@ -109,12 +109,15 @@ def test_gpu_check_plans_every_check_and_summarizes_them() -> None:
                              "step-graph": [{"name": "bn", "amp": "bf16", "mode": "replayed vs plain", "steps": 24,
                                              "max_difference": 0.0},
                                             {"name": "bn", "amp": "bf16", "mode": "graph", "ms_per_step": 1.61,
-                                             "images_per_s": 79503.1, "gpu_busy": 0.93, "projected_minutes": 1.3}]}}
+                                             "images_per_s": 79503.1, "gpu_busy": 0.93, "projected_minutes": 1.3},
+                                            {"name": "cbn", "amp": "off", "mode": "left out (budget)",
+                                             "skipped": "budget"}]}}
     text = markdown(report)
     assert "| tests | pass | 60.0 | 130 |" in text and "| bench-run | FAIL | 300.0 | 60 |" in text
     assert "ResNet-20 bn, CIFAR-10-sized, 120 epochs (bf16, channels_last, compile): 1.9 minutes" in text
     assert "| run | eager | 2.0 | 1.1 |" in text
     assert "| bn | bf16 | replayed vs plain | 24 | 0 |" in text and "| bn | bf16 | graph | 1.61 | 79503 | 93% | 1.30 |" in text
+    assert "left out (budget): cbn off" in text
 
 
 def test_gpu_check_fits_its_budget() -> None:

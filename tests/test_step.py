@@ -21,11 +21,11 @@ from bnexp.engine.evaluation import DeviceEvaluation
 from bnexp.engine.method_hooks import AmatLearningRate, BnpPreconditioner, WeightNormLog, method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule
 from bnexp.engine.pack import FreezeDiverged
-from bnexp.engine.step import HostUse, TrainMeter, TrainStep
+from bnexp.engine.step import HostUse, LrAhead, TrainMeter, TrainStep
 from bnexp.engine.trainer import evaluate, train, train_step
 from bnexp.models import DataSpec, build_model
 from bnexp.models.packing import pack_inputs, pack_models, packed_losses
-from bnexp.nn import BatchRenorm2d, CBN2d, FourThingsBN2d
+from bnexp.nn import BatchRenorm2d, CBN2d, FourThingsBN2d, NormFamily
 from bnexp.support.runinfo import seed_everything
 from tests.conftest import TINY, compose_cfg, read_metrics
 
@@ -43,18 +43,25 @@ NORMS = {  # brn with its schedule within the 20 steps; bn_4things with ghost ba
     "bn_4things": ["norm.ghost_batch=3"],
 }
 SPEC = DataSpec(10, 3, 8)
+# issue 36's packs across rho (each run's rho a buffer of its channels): CBN's row 2, and row 6,
+# whose run at rho = 1 is torch's BatchNorm and takes the family's form beside the run at 4
+MIXED_RHO = {"cbn": (0.5, 4.0), "bn": (1.0, 4.0)}
 
 
 class Pack:
     """A pack of :data:`RUNS` ResNet-20s with the trainer's optimizer, schedule, method hooks
-    and frozen-run mask, and :data:`STEPS` batches of its own, NaN in run 1 at :data:`NAN_AT`."""
+    and frozen-run mask, and :data:`STEPS` batches of its own, NaN in run 1 at :data:`NAN_AT`;
+    run ``r`` at ``norm.rho=rhos[r]`` when ``rhos`` are given."""
 
-    def __init__(self, norm: str, dtype: torch.dtype, tmp_path: Path, device: torch.device = CPU) -> None:
-        cfg = compose_cfg([*PROTOCOL, f"norm={norm}", *NORMS[norm]])
+    def __init__(self, norm: str, dtype: torch.dtype, tmp_path: Path, device: torch.device = CPU,
+                 rhos: tuple[float, ...] = ()) -> None:
+        cfgs = [compose_cfg([*PROTOCOL, f"norm={norm}", *NORMS[norm], *(f"norm.rho={rho}" for rho in rhos[run:run + 1])])
+                for run in range(RUNS)]
+        cfg = cfgs[0]
         models = []
-        for run in range(RUNS):
+        for run, run_cfg in enumerate(cfgs):
             seed_everything(run)
-            models.append(build_model(cfg.model, cfg.norm, cfg.act.name, SPEC).to(device, dtype))
+            models.append(build_model(run_cfg.model, run_cfg.norm, run_cfg.act.name, SPEC).to(device, dtype))
         self.model = pack_models(models)
         self.net = AmpCompileWrapper(self.model, device)
         optimizer = build_optimizer(self.model, cfg.optim)
@@ -110,13 +117,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("norm", list(NORMS))
-def test_step_is_bit_identical_to_todays(norm: str, dtype: torch.dtype, tmp_path: Path) -> None:
-    """20 steps of a pack crossing the warmup, an lr milestone, two epochs' tables and a
-    divergence (NaN, then the run frozen): every weight, buffer, momentum, hook state and
-    training sum equal to the step before this one's, and the device's rates to the schedule's."""
-    today, engine = Pack(norm, dtype, tmp_path), Pack(norm, dtype, tmp_path)
+def assert_engine_step_is_todays(today: Pack, engine: Pack) -> None:
+    """20 steps of two copies of a pack, ``today`` with the step before the engine's and
+    ``engine`` with :class:`TrainStep`, crossing the warmup, an lr milestone, two epochs'
+    tables and a divergence (NaN, then the run frozen): every weight, buffer, momentum, hook
+    state and training sum equal bit for bit, and the device's rates the schedule's."""
     today.train(today.todays_step)
     step = engine.engine_step()
     rates = []
@@ -126,6 +131,45 @@ def test_step_is_bit_identical_to_todays(norm: str, dtype: torch.dtype, tmp_path
     assert a.keys() == b.keys()
     assert [k for k in a if not same_bits(a[k], b[k])] == []
     assert not any(p.isnan().any() for p in engine.model.parameters())  # the NaN run was frozen (zeroed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_step_is_bit_identical_to_todays(norm: str, dtype: torch.dtype, tmp_path: Path) -> None:
+    assert_engine_step_is_todays(Pack(norm, dtype, tmp_path), Pack(norm, dtype, tmp_path))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("norm", list(MIXED_RHO))
+def test_step_of_a_mixed_rho_pack_is_bit_identical_to_todays(norm: str, dtype: torch.dtype, tmp_path: Path) -> None:
+    """The same for a pack whose runs differ in rho (read from the per-channel buffer)."""
+    rhos = MIXED_RHO[norm]
+    today, engine = (Pack(norm, dtype, tmp_path, rhos=rhos) for _ in range(2))
+    held = [m.rho_channels for m in engine.model.modules() if isinstance(m, NormFamily)]
+    assert held and all(torch.equal(r, torch.tensor(rhos, dtype=torch.float64).repeat_interleave(len(r) // RUNS))
+                        for r in held)
+    assert_engine_step_is_todays(today, engine)
+
+
+def test_rates_ahead_leave_the_optimizer_s_tensor_rates_alone() -> None:
+    """Under ``trainer.compile`` an optimizer's rates can be 0-d tensors (its compiled step;
+    a checkpoint of such a run or a worker's reused pack keeps them), which a schedule writes
+    in place: the copy of the schedule that runs ahead writes its own copies, and gives the
+    rates the schedule then gives step by step."""
+    cfg = compose_cfg(PROTOCOL)
+    optimizer = build_optimizer(nn.Linear(3, 2), cfg.optim)
+    scheduler = build_schedule(optimizer, cfg.schedule, STEPS_PER_EPOCH)
+    optimizer.step()  # the first step's rate as a float, then tensors (AmpCompileWrapper.step)
+    scheduler.step()
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64)
+    ahead = LrAhead(scheduler, optimizer).rates(STEPS - 1)
+    rates = []
+    for _ in range(STEPS - 1):
+        rates.append([float(group["lr"]) for group in optimizer.param_groups])
+        optimizer.step()
+        scheduler.step()
+    assert ahead.tolist() == rates and len({r[0] for r in rates}) == 4
 
 
 def audit(pack: Pack, step: Callable[[torch.Tensor, torch.Tensor], None]) -> list[str]:
@@ -140,11 +184,28 @@ def audit(pack: Pack, step: Callable[[torch.Tensor, torch.Tensor], None]) -> lis
     return mode.problems()
 
 
-@pytest.mark.parametrize("norm", list(NORMS))
-def test_step_asks_nothing_of_the_host(norm: str, tmp_path: Path) -> None:
-    pack = Pack(norm, torch.float32, tmp_path)
+AUDITED = [*(pytest.param(norm, (), id=norm) for norm in NORMS),  # (norm, each run's rho)
+           *(pytest.param(norm, rhos, id=f"{norm}-rho{'-'.join(map(str, rhos))}") for norm, rhos in MIXED_RHO.items())]
+
+
+@pytest.mark.parametrize("norm, rhos", AUDITED)
+def test_step_asks_nothing_of_the_host(norm: str, rhos: tuple[float, ...], tmp_path: Path) -> None:
+    pack = Pack(norm, torch.float32, tmp_path, rhos=rhos)
     pack.freezer.freeze(pack.state, 1)  # a frozen run's work is in the step too
     step = pack.engine_step()
+    assert audit(pack, lambda x, y: step.run()) == []
+
+
+def test_step_on_the_device_loader_s_draws_asks_nothing_of_the_host(tmp_path: Path) -> None:
+    """Under ``data.loader=device`` the step gathers every run's batch, cropped and flipped,
+    at its position on the device (:class:`PackedEpochs`): steps 1-4 of an 8-step epoch of a
+    pack across rho ask nothing of the host either."""
+    pack = Pack("cbn", torch.float32, tmp_path, rhos=MIXED_RHO["cbn"])
+    cfg = compose_cfg([*TINY, "data.augment=true", "data.loader=device"])  # 64 images: 8 batches of 8
+    loaders = build_seeded_loaders(build_data(cfg.data), cfg.data, 8, list(range(RUNS)), False, CPU)
+    assert loaders[0].steps_per_epoch == STEPS_PER_EPOCH
+    step = TrainStep(pack.state, pack.net, pack.meter, pack.callbacks, pack.criterion,
+                     PackedEpochs([loader.train for loader in loaders]))
     assert audit(pack, lambda x, y: step.run()) == []
 
 
@@ -194,28 +255,36 @@ def test_host_use_finds_cpu_tensors_in_a_step_on_another_device() -> None:
 
 @pytest.mark.slow
 def test_whole_step_compiles_to_one_graph_across_lr_changes(tmp_path: Path) -> None:
-    """torch.compile(fullgraph=True) of the step's device work (AMAT, batch renormalization
-    with its schedule, BN with 4 things and its pull toward 1 and 0, BNP, SGD at the device's
-    rates) traces no graph break, and one graph serves the warmup's rates and the milestone's."""
+    """torch.compile(fullgraph=True) of the step's device work for a pack of two runs at rho
+    0.5 and 4 (AMAT, batch renormalization with its schedule, BN with 4 things and its pull
+    toward 1 and 0, BNP, the frozen-run mask, SGD at the device's rates) traces no graph
+    break, and one graph serves the warmup's rates and the milestone's."""
     from torch._dynamo.utils import counters
 
     cfg = compose_cfg([*PROTOCOL, "schedule.milestones=[5]"])
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), CBN2d(4), nn.ReLU(),
-                          nn.Conv2d(4, 4, 3, padding=1), BatchRenorm2d(4, relax_start=1, r_max_step=6, d_max_step=4),
-                          nn.Conv2d(4, 4, 3, padding=1), FourThingsBN2d(4, ghost_batch=3), nn.Flatten(),
-                          nn.Linear(4 * 36, 10))
+    models = []
+    for rho in (0.5, 4.0):
+        torch.manual_seed(0)
+        models.append(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), CBN2d(4, rho=rho), nn.ReLU(),
+                                    nn.Conv2d(4, 4, 3, padding=1),
+                                    BatchRenorm2d(4, relax_start=1, r_max_step=6, d_max_step=4),
+                                    nn.Conv2d(4, 4, 3, padding=1), FourThingsBN2d(4, ghost_batch=3), nn.Flatten(),
+                                    nn.Linear(4 * 36, 10)))
+    model = pack_models(models)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_schedule(optimizer, cfg.schedule, STEPS_PER_EPOCH)
     state = TrainState(cfg, tmp_path, CPU, model, optimizer, scheduler, STEPS_PER_EPOCH, STEPS)
-    callbacks = [AmatLearningRate(), BnpPreconditioner({"rho": 0.9, "eps1": 1e-2, "eps2": 1e-4})]
+    freezer = FreezeDiverged(RUNS)
+    callbacks = [AmatLearningRate(), BnpPreconditioner({"rho": 0.9, "eps1": 1e-2, "eps2": 1e-4}), freezer]
     for cb in callbacks:
         cb.on_train_start(state)
     g = torch.Generator().manual_seed(1)
-    data = iter([(torch.randn(8, 3, 6, 6, generator=g), torch.randint(10, (8,), generator=g)) for _ in range(8)])
-    step = TrainStep(state, AmpCompileWrapper(model, CPU), TrainMeter(CPU), callbacks, nn.functional.cross_entropy,
-                     data)
+    data = iter([(torch.randn(8, 3 * RUNS, 6, 6, generator=g), torch.randint(10, (8, RUNS), generator=g))
+                 for _ in range(8)])
+    step = TrainStep(state, AmpCompileWrapper(model, CPU), TrainMeter(CPU, RUNS), callbacks,
+                     lambda logits, y: torch.where(freezer.alive, packed_losses(logits, y), 0.0), data)
     eager, graphs, rates = step.body, [], []
+    before = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(trace_autograd_ops=True):
         for s in range(8):
             if s == 1:  # after the step that creates the momentum buffers
@@ -225,7 +294,7 @@ def test_whole_step_compiles_to_one_graph_across_lr_changes(tmp_path: Path) -> N
             scheduler.step()
             state.step += 1
             graphs.append(counters["stats"]["unique_graphs"])
-    assert len(set(rates)) >= 4 and graphs[1] >= 1 and graphs[-1] == graphs[1]
+    assert len(set(rates)) >= 4 and graphs[1] == before + 1 and graphs[-1] == graphs[1]
 
 
 @pytest.mark.parametrize("sampling", ["shuffle", "with_replacement"])

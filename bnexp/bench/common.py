@@ -131,6 +131,17 @@ def measure(cases: Mapping[str, Callable[[], Any]], reps: int, number: int, warm
     return times
 
 
+class Budget:
+    """Seconds left of a bench's budget (0: unlimited) since it started."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.start = seconds, time.perf_counter()
+
+    def allows(self, expected: float) -> bool:
+        """Whether a case expected to take ``expected`` seconds still fits."""
+        return not self.seconds or time.perf_counter() - self.start + expected <= self.seconds
+
+
 def iqr(values: Sequence[float]) -> float:
     """Interquartile range (0 for fewer than two values)."""
     if len(values) < 2:

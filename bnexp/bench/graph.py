@@ -1,7 +1,8 @@
 """``bnexp bench graph``: one run's training step at the GPU's pace (``make gpu-check``'s step-graph section).
 
 For each ``amps`` and each of ``norms`` (ResNet-20 at batch ``batch`` on CIFAR-10-sized
-synthetic images, ``data.loader=device``, channels_last), in that order:
+synthetic images, ``data.loader=device``, channels_last), in that order, first every
+comparison (seconds each, nothing compiled), then every speed block:
 
 1. on a GPU, **replayed vs plain**: the engine's step (:class:`bnexp.engine.step.TrainStep`)
    on two copies of the same run, one plain and one with ``trainer.cuda_graph``, over
@@ -20,8 +21,11 @@ synthetic images, ``data.loader=device``, channels_last), in that order:
    projected minutes of ``epochs`` x ``steps_per_epoch`` steps with one evaluation per epoch.
 
 ``clock=cpu`` times this process's CPU time instead of the wall's (steadier on a CPU shared
-with other work; for a run on one thread). The records go to ``out`` after each norm's cases, so a run stopped by its time budget keeps
-what it measured. On a CPU the graph cases are left out (they need CUDA).
+with other work; for a run on one thread). The records go to ``out`` after the comparisons
+and after each speed block, so a run stopped from outside keeps what it measured. ``budget``
+(seconds, 0: none) starts no speed block that would end past it, expecting each to take as
+long as the one before (its compilations included); those left out are recorded as such.
+On a CPU the graph cases are left out (they need CUDA).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from bnexp.bench.common import COMMON, Record, compose_train, device_of, measure, record
+from bnexp.bench.common import COMMON, Budget, Record, compose_train, device_of, measure, record, synchronize
 from bnexp.data import DataBundle, build_data
 from bnexp.data.loaders import build_seeded_loaders
 from bnexp.engine.amp_compile import AmpCompileWrapper
@@ -58,7 +62,8 @@ CASES = ("eager", "compiled", "step", "graph", "compile+graph", "bare")
 TODAY = ("eager", "compiled", "bare")  # cases without the engine's step
 DEFAULTS: dict[str, Any] = {**COMMON, "warmup": WARMUP + 3, "number": 20, "reps": 3, "norms": ("bn", "cbn"),
                             "amps": ("bf16", "off"), "cases": CASES, "batch": 128, "compare_steps": 20,
-                            "epochs": 120, "steps_per_epoch": 391, "clock": "wall", "out": "results/bench/graph.json"}
+                            "epochs": 120, "steps_per_epoch": 391, "clock": "wall", "budget": 0.0,
+                            "out": "results/bench/graph.json"}
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU time (a shared CPU machine)
 COLUMNS = ("name", "mode", "amp", "ms_per_step", "images_per_s", "gpu_busy", "ratio", "ratio_to_bare",
            "projected_minutes", "max_difference")
@@ -163,8 +168,7 @@ def compare(cfg: DictConfig, bundle: DataBundle, device: torch.device, steps: in
         for _ in range(WARMUP + 1 + steps):
             for case in (plain, graphed, today):
                 case.step()
-        synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-        synchronize()
+        synchronize(device)
         found = [("replayed vs plain", max_difference(graphed, plain)), ("engine vs today's", max_difference(plain, today))]
     finally:
         torch.use_deterministic_algorithms(False)
@@ -188,11 +192,10 @@ def eval_seconds(evaluation: Callable[[], Any], device: torch.device) -> float:
     """Seconds of one evaluation after two (which compile and capture where they do)."""
     for _ in range(2):
         evaluation()
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    synchronize()
+    synchronize(device)
     start = time.perf_counter()
     evaluation()
-    synchronize()
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -227,19 +230,33 @@ def save(records: list[Record], out: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
+def left_out(norm: str, amp: str, device: torch.device) -> Record:
+    """The record of a speed block that ``budget`` left out."""
+    return {"name": norm, "mode": "left out (budget)", "amp": amp, "device": device.type, "skipped": "budget"}
+
+
 def bench(options: Mapping[str, Any], overrides: Sequence[str]) -> list[Record]:
     device = device_of(options)
     if options["clock"] not in CLOCKS:
         raise unknown_choice("clock", options["clock"], CLOCKS)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the comparison
+    budget = Budget(float(options["budget"]))
+    blocks = [(amp, norm) for amp in options["amps"] for norm in options["norms"]]
     records: list[Record] = []
     bundle = build_data(config(options, options["norms"][0], "off", False, overrides).data)
     with tempfile.TemporaryDirectory() as tmp:
-        for amp in options["amps"]:
-            for norm in options["norms"]:
-                if device.type == "cuda" and options["compare_steps"]:
-                    cfg = config(options, norm, amp, False, [*COMPARE_SCHEDULE, *overrides])
-                    records += compare(cfg, bundle, device, options["compare_steps"], Path(tmp))
-                records += speed(options, norm, amp, bundle, device, overrides, Path(tmp))
-                save(records, options["out"])
+        if device.type == "cuda" and options["compare_steps"]:  # the decisive figures first
+            for amp, norm in blocks:
+                cfg = config(options, norm, amp, False, [*COMPARE_SCHEDULE, *overrides])
+                records += compare(cfg, bundle, device, options["compare_steps"], Path(tmp))
+            save(records, options["out"])
+        expected = 0.0  # seconds of a speed block, as long as the last one took
+        for amp, norm in blocks:
+            if not budget.allows(expected):
+                records.append(left_out(norm, amp, device))
+                continue
+            started = time.perf_counter()
+            records += speed(options, norm, amp, bundle, device, overrides, Path(tmp))
+            expected = time.perf_counter() - started
+            save(records, options["out"])
     return records

@@ -38,7 +38,7 @@ import torch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from bnexp.bench.common import COMMON, Record, compose_train, device_of, environment, measure, record
+from bnexp.bench.common import COMMON, Budget, Record, compose_train, device_of, environment, measure, record
 from bnexp.bench.step import MODELS, STEP_OVERRIDES, step_case
 from bnexp.data import build_data
 from bnexp.data.imagenet import AUGS, augment_steps, imagenet_transform
@@ -52,17 +52,6 @@ DEFAULTS: dict[str, Any] = {**COMMON, "reps": 2, "root": "", "classes": 8, "per_
 COLUMNS = ("name", "batch", "workers", "seconds_median", "images_per_s", "ratio", "max_levels", "mean_levels",
            "differing", "skipped")
 MODEL_ESTIMATE_S = 60  # a first compiled ResNet-50 step, until one has been timed
-
-
-class Budget:
-    """Seconds left of ``budget_s`` (0: unlimited) since the bench started."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds, self.start = seconds, time.perf_counter()
-
-    def allows(self, expected: float) -> bool:
-        """Whether a case expected to take ``expected`` seconds still fits."""
-        return not self.seconds or time.perf_counter() - self.start + expected <= self.seconds
 
 
 def rate(r: Record, batch: int, **fields: Any) -> Record:

@@ -57,10 +57,14 @@ Batch = tuple[Tensor, Tensor]
 
 
 class _GroupsOnly:
-    """What an lr schedule reads and writes of its optimizer: the groups' settings, no tensors."""
+    """What an lr schedule reads and writes of its optimizer: a copy of the groups' settings
+    without their parameters. A rate held as a 0-d tensor (``trainer.compile``'s optimizer
+    step) is copied too: a schedule writes such a rate in place, and the copy that steps
+    ahead must not write the optimizer's."""
 
     def __init__(self, optimizer: Optimizer) -> None:
-        self.param_groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        self.param_groups = [{k: v.clone() if isinstance(v, Tensor) else v for k, v in group.items() if k != "params"}
+                             for group in optimizer.param_groups]
 
     def step(self) -> None:
         """Never called: a schedule only looks that it exists."""
