@@ -42,11 +42,11 @@ tex:
 slurm:
 	scripts/slurm/up.sh
 
-# The main job, briefly. Exit code 3 means CIFAR-10 is not on disk and cannot be
+# The main job (README, "The main command") for one epoch. Exit code 3 means CIFAR-10 is not on disk and cannot be
 # downloaded; only then does the demo fall back to real digits (scikit-learn's bundled
 # images): the CBN claim, BN vs CBN with sigmoid and ReLU, and its table; it says so.
 demo: install
-	@$(BNEXP) train model=resnet20 norm=bn act=relu trainer.epochs=1 data.root=data; \
+	@$(BNEXP) train model=resnet20 norm=cbn act=sigmoid trainer.epochs=1; \
 	rc=$$?; \
 	if [ $$rc -eq 3 ]; then \
 		echo ""; \

@@ -132,6 +132,23 @@ def readme_commands(after: str) -> list[list[str]]:
     return [shlex.split(line.split("#", 1)[0]) for line in block.splitlines() if line.strip()]
 
 
+def test_the_readmes_first_sweep_as_written_lists_its_cells(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """README, "Sweeps": its first command (2 norms x 5 activations x 3 seeds, full protocol)
+    with ``--dry-run``: 30 cells, each where the same run alone trains, all to run; nothing
+    written."""
+    monkeypatch.chdir(tmp_path)
+    (sweep,) = readme_commands("(Hydra multirun):")
+    assert sweep[:3] == ["bnexp", "train", "-m"]
+    code, out = run_cli([*sweep[1:], "--dry-run"], capsys)
+    assert code == 0, out
+    assert out.splitlines()[0] == "30 jobs in results/multirun/act=sigmoid,tanh,relu,selu,swish,norm=bn,cbn," \
+                                  "trainer.seed=0,1,2:", out
+    homes = [line.split("  ")[1] for line in out.splitlines()[1:31]]
+    assert len(set(homes)) == 30 and all(Path(h).parent == Path("results/runs") for h in homes)
+    assert "30 to run, 0 to resume, 0 finished (skipped)" in out and not list(tmp_path.iterdir()), out
+
+
 @pytest.mark.slow
 def test_the_readme_sweep_commands_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:

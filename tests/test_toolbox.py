@@ -66,6 +66,18 @@ def test_shell_completion_answers_for_bnexp_train(capsys: pytest.CaptureFixture[
     assert code == 0 and out.split() == ["norm=cbn"]
 
 
+def test_fish_completion_as_the_readme_installs_it(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """README: ``bnexp train -sc install=fish | source``; fish then asks ``bnexp -sc query=fish``
+    with the line typed so far, one candidate a line."""
+    code, script = run_cli(["train", "-sc", "install=fish"], capsys)
+    assert code == 0 and "complete -c bnexp -x -a '(hydra_fish_completion)'" in script, script
+    monkeypatch.setenv("COMP_LINE", "bnexp tr")
+    assert run_cli(["-sc", "query=fish"], capsys) == (0, "train\n")
+    monkeypatch.setenv("COMP_LINE", "bnexp train norm=cb")
+    code, out = run_cli(["-sc", "query=fish"], capsys)
+    assert code == 0 and out.split() == ["norm=cbn"], out
+
+
 def test_a_missing_extra_is_named(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
     import importlib.util
 
