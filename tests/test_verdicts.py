@@ -332,3 +332,19 @@ def test_tune_seeds_is_for_tables_that_tune_and_counts_seeds(tmp_path: Path, cap
            "(cbn/table1-4), not popnorm/table2\n")
     assert run_cli(["table", "popnorm/table2", f"results={tmp_path}", "tune_seeds=0"], capsys) == (
         2, "bnexp: error: tune_seeds='0' is not valid: a whole number of seeds >= 1\n")
+
+
+def test_two_cells_that_compute_the_same_run_are_each_counted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two cells of a preset whose settings coincide (CBN Table 1's rows 4 and 5 at rho 1: the
+    same fingerprint under other overrides) are two rows' runs, not copies: each is counted; a
+    copy of one of them (the same overrides too) still counts once."""
+    for row in ("r4", "r5"):
+        run = recorded_run(tmp_path, row, 0, 90.0)
+        (run / ".hydra").mkdir()
+        (run / ".hydra" / "overrides.yaml").write_text(f"- cbn_row={row}\n- norm.rho=1.0\n")
+    copy_of(tmp_path / "r5", tmp_path / "old" / "r5")
+    capsys.readouterr()
+    frame = load_summaries(tmp_path)
+    assert sorted(frame["run_dir"]) == [str(tmp_path / "r4"), str(tmp_path / "r5")]
+    assert f"took {tmp_path / 'r5'}, ignored {tmp_path / 'old' / 'r5'}\n" in capsys.readouterr().err

@@ -194,22 +194,33 @@ STATUS_RANK = {"completed": 0, "diverged": 1}
 SHOWN_COPIES = 5  # copies named one by one in the warning; the rest are counted
 
 
+def copy_key(frame: pd.DataFrame) -> pd.Series:
+    """What the copies of one run share: its :func:`run_identity` and its overrides (None for
+    a run without an identity, which is never taken for a copy)."""
+    given = sorted(c for c in frame.columns if c.startswith("overrides."))
+    settings = frame[given].astype(str).agg("|".join, axis=1) if given else ""
+    identity = frame["run_identity"]
+    return (identity.fillna("").astype(str) + "|" + settings).where(identity.notna())
+
+
 def counted_once(frame: pd.DataFrame, results: Path) -> pd.DataFrame:
-    """``frame`` with one row per run: rows of the same :func:`run_identity` are copies of one
-    run, of which the first by :data:`STATUS_RANK`, depth and path is kept. A warning names the
-    copy taken and those left out."""
+    """``frame`` with one row per run: rows of the same :func:`run_identity` and the same
+    overrides are copies of one run, of which the first by :data:`STATUS_RANK`, depth and path
+    is kept. A warning names the copy taken and those left out. (Cells of a preset whose
+    settings coincide, such as two rows of a table at one rho, are the same computation under
+    other overrides: each row keeps its run.)"""
     if frame.empty or "run_identity" not in frame or not frame["run_identity"].notna().any():
         return frame
     status = frame["status"] if "status" in frame else pd.Series(None, index=frame.index)
     order = frame.assign(_rank=status.map(lambda s: STATUS_RANK.get(s, 2)),
-                         _depth=frame["run_dir"].map(lambda d: len(Path(d).parts)))
+                         _depth=frame["run_dir"].map(lambda d: len(Path(d).parts)), _copy=copy_key(frame))
     order = order.sort_values(["_rank", "_depth", "run_dir"], kind="stable")
-    copies = order["run_identity"].notna() & order.duplicated("run_identity")
+    copies = order["_copy"].notna() & order.duplicated("_copy")
     if not copies.any():
         return frame
     kept = order[~copies]
-    taken = dict(zip(kept["run_identity"], kept["run_dir"]))
-    ignored = order[copies].groupby("run_identity", sort=False)["run_dir"].apply(list)
+    taken = dict(zip(kept["_copy"], kept["run_dir"]))
+    ignored = order[copies].groupby("_copy", sort=False)["run_dir"].apply(list)
     lines = [f"took {taken[key]}, ignored {', '.join(dirs)}" for key, dirs in list(ignored.items())[:SHOWN_COPIES]]
     more = f"; and {len(ignored) - SHOWN_COPIES} more runs" if len(ignored) > SHOWN_COPIES else ""
     print_warning(f"{len(ignored)} run(s) under {results} sit there more than once (the same recorded fingerprint, "
