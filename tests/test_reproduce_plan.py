@@ -87,7 +87,7 @@ def test_dry_run_with_tune_seeds_states_which_seeds_select_and_which_test(
     lines = out.splitlines()
     assert lines[0] == ("bnexp reproduce cbn/table1 (scale quick, tune_seeds=1): each tuned cell chooses its rho by "
                         "the best mean on seeds 0 (selection) and is reported and tested on seeds 1 (test)")
-    assert lines[1].startswith("stage 1, 30 of the 42 runs") and lines[2] == f"30 jobs in {sweep}:"
+    assert lines[1].startswith("stage 1, 30 of the 54 runs") and lines[2] == f"30 jobs in {sweep}:"
     assert sum("norm.rho=" in line for line in lines[3:33]) == 24
     assert all("trainer.seed=0" in line for line in lines[3:33] if "norm.rho=" in line)
     assert ("stage 2, after stage 1: 4 runs, each of the 4 tuned cells at the rho with the best mean on seeds 0, "
