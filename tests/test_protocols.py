@@ -132,6 +132,15 @@ def test_bnp_resnet_gn_warms_up_linearly_over_one_epoch(norm: str) -> None:
     assert got == pytest.approx([0.01, 0.01 + 0.09 * 195 / 391, 0.1, 0.1], rel=1e-9)
 
 
+def test_popnorm_kappa_runs_the_protocol_schedule_and_schedule_constant_fixes_the_rate() -> None:
+    """POP-Norm Fig. 2's "we fix the learning rate": the preset's reading is the protocol's
+    schedule for every kappa (0.1, / 10 at steps 16k and 24k); the register's other reading,
+    schedule=constant, keeps 0.1 throughout."""
+    steps = [0, 15999, 16000, 24000]
+    assert lrs_at(compose_cfg(["experiment=popnorm/kappa"]), steps) == pytest.approx([0.1, 0.1, 0.01, 0.001], rel=1e-9)
+    assert lrs_at(compose_cfg(["experiment=popnorm/kappa", "schedule=constant"]), steps) == [0.1] * 4
+
+
 def he_normal_std(model: nn.Module, fan_in: int) -> tuple[float, float]:
     """The sample std of every 3x3 conv weight with ``fan_in`` inputs, pooled, and He-normal's
     std for that fan-in, sqrt(2 / fan_in)."""
