@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from bnexp.app.sweep import LEDGER_ENV
 from bnexp.report import reproduce
 from bnexp.report.presets import load_preset
 from tests.conftest import run_cli
@@ -55,7 +54,7 @@ def test_progress_counts_the_ledgers_runs_and_estimates_the_time_left(tmp_path: 
     """Without a terminal: a plain line whenever the count changed. Runs skipped as finished
     count as done, not toward the rate: 3 trained in 30 s with 6 left is 60 s left."""
     ledger = tmp_path / "ledger.jsonl"
-    monkeypatch.setenv(LEDGER_ENV, str(ledger))
+    monkeypatch.setattr(reproduce, "ledger_file", lambda: ledger)
     clock = [1000.0]
     monkeypatch.setattr(reproduce.time, "monotonic", lambda: clock[0])
     progress = reproduce.TableProgress(10, every=0.0)

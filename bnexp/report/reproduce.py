@@ -23,7 +23,6 @@ import datetime
 import itertools
 import json
 import math
-import os
 import sys
 import threading
 import time
@@ -35,7 +34,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from bnexp.app.compose import hydra_session, is_group, parser
-from bnexp.app.sweep import LEDGER_ENV, Job, describe_jobs, distinct_packs, pack_groups
+from bnexp.app.sweep import Job, describe_jobs, distinct_packs, ledger_file, pack_groups
 from bnexp.app.train import multirun
 from bnexp.engine.pack import PER_RUN_KEYS, unpackable
 from bnexp.report.presets import SEED, Preset, count, estimate, job_value, load_preset, parse_command, preset_overrides, steps_per_run
@@ -302,7 +301,7 @@ def projection(p: Preset, packs: list[list[Job]], path: Path = GPU_CHECK) -> str
 
 class TableProgress:
     """A progress bar over a whole table: the runs the sweeps have recorded in their ledgers
-    (each sweep's, :data:`bnexp.app.sweep.LEDGER_ENV`), looked at every ``poll`` seconds, and
+    (each sweep's, :func:`bnexp.app.sweep.ledger_file`), looked at every ``poll`` seconds, and
     the time left at the rate of the runs trained so far (those skipped as finished before
     do not count). With a terminal a tqdm bar on stderr; without one a plain line whenever
     the count changed, at most every ``every`` seconds."""
@@ -338,7 +337,7 @@ class TableProgress:
 
     def update(self, final: bool = False) -> None:
         """Read the running sweep's ledger, then move the bar or print a line."""
-        ledger = os.environ.get(LEDGER_ENV)
+        ledger = ledger_file()
         if ledger:
             try:
                 lines = Path(ledger).read_text().splitlines()
