@@ -94,3 +94,5 @@ def test_dry_run_with_tune_seeds_states_which_seeds_select_and_which_test(
     assert not sweep.exists()
     code, out = run_cli(["reproduce", "popnorm/table2", "scale=quick", "tune_seeds=1", "dry_run=true"], capsys)
     assert code == 2 and "tune_seeds applies to presets whose table tunes a parameter" in out
+    code, out = run_cli(["train", "-m", "experiment=cbn/table1", "tune_seeds=1", "--dry-run"], capsys)
+    assert code == 2 and "tune_seeds is an option of bnexp reproduce and bnexp table" in out
