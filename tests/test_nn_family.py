@@ -208,3 +208,60 @@ def test_invalid_configurations_raise():
         NormFamily1d(3)(torch.randn(1, 3))
     with pytest.raises(RuntimeError, match="without AMAT"):
         NormFamily1d(3).set_learning_rate(0.1)
+
+
+def mean_removal(x, beta, mean=None):
+    """POP-Norm's eq. (11), ``x - mu + beta`` per channel, with no gamma: ``mu`` the batch
+    mean (a sum over the channel's values divided by their count) or the given ``mean``."""
+    y = torch.empty_like(x)
+    for c in range(x.shape[1]):
+        xc = x[:, c]
+        mu = xc.sum() / xc.numel() if mean is None else mean[c]
+        y[:, c] = xc - mu + beta[c]
+    return y
+
+
+@pytest.mark.parametrize("cls,dim", [(POPNorm1d, 1), (POPNorm2d, 2)])
+def test_mean_removal_alone_is_eq_11_without_gamma(cls, dim):
+    """``gamma=False``: no learnable gamma (nothing to train or save but beta and the running
+    statistics); training and eval forwards are ``x - mu + beta``, mu the batch's or the running mean."""
+    m = cls(3, scale=False, rho=1.0, gamma=False).to(DT)
+    assert [name for name, _ in m.named_parameters()] == ["bias"]
+    assert "weight" not in m.state_dict() and m.weight.dtype == DT and torch.equal(m.weight, torch.ones(3, dtype=DT))
+    with torch.no_grad():
+        m.bias.copy_(torch.tensor([0.3, -1.0, 2.0]))
+    batches = [batch(dim, s) for s in range(3)]
+    for x in batches:
+        torch.testing.assert_close(m(x), mean_removal(x, m.bias.detach()), rtol=1e-12, atol=1e-12)
+    mean, _ = reference_running(batches)
+    m.eval()
+    x = batch(dim, 7)
+    torch.testing.assert_close(m(x), mean_removal(x, m.bias.detach(), mean), rtol=1e-12, atol=1e-12)
+    assert "gamma=False" in repr(m) and "gamma" not in repr(cls(3))
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+@pytest.mark.parametrize("center,scale,decouple", FLAGS)
+def test_without_gamma_every_form_is_gamma_one(dim, center, scale, decouple):
+    """Every form without gamma computes the family's formula at gamma = 1 (the divided forms
+    through the closed-form backward), and its float64 gradients in x and beta pass gradcheck."""
+    cls = NormFamily1d if dim == 1 else NormFamily2d
+    m = cls(3, eps=EPS, center=center, scale=scale, decouple=decouple, rho=RHO, gamma=False).to(DT)
+    with torch.no_grad():
+        m.bias.copy_(torch.tensor([0.3, -1.0, 2.0]))
+    x = batch(dim, 5)[:3]
+    ones = torch.ones(3, dtype=DT)
+    expected = reference(x, ones, m.bias.detach(), center=center, scale=scale, decouple=decouple, rho=RHO, eps=EPS)
+    torch.testing.assert_close(m(x), expected, rtol=1e-12, atol=1e-12)
+    saved = copy.deepcopy(m.state_dict())
+
+    def f(x, b):
+        m.load_state_dict(saved)
+        return torch.func.functional_call(m, {"bias": b}, (x,))
+
+    assert torch.autograd.gradcheck(f, (x.clone().requires_grad_(), m.bias.detach().clone().requires_grad_()))
+
+
+def test_gamma_must_be_a_bool():
+    with pytest.raises(ValueError, match="gamma must be true or false"):
+        NormFamily2d(3, gamma=0)

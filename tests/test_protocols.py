@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from bnexp.engine.identity import fingerprint, result_config
 from bnexp.engine.optim import build_schedule
 from bnexp.models import DataSpec, build_model
 from bnexp.nn import BatchRenorm, BatchRenorm1d, FourThingsBN, POPNorm2d
@@ -18,18 +19,27 @@ from tests.conftest import TINY, compose_cfg, run_cli
 
 
 def test_popnorm_mean_only_ablation_divides_by_no_kappa() -> None:
-    """Fig. 3's "mean removal only" is eq. 11 alone: rho 1 at the paper's lr 0.005, so the
-    full-width VGG-16's logits keep a trainable size (with kappa 4 they start near 1e-9)."""
+    """Fig. 3's "mean removal only" is eq. 11 alone: no gamma, rho 1 at the paper's lr 0.005, so
+    the full-width VGG-16's logits keep a trainable size (with kappa 4 they start near 1e-9)."""
     cfg = compose_cfg(["experiment=popnorm/ablation", "pop_part=mean_only", "act=relu"])
-    assert (cfg.norm.rho, cfg.norm.scale, cfg.optim.lr) == (1.0, False, 0.005)
+    assert (cfg.norm.rho, cfg.norm.scale, cfg.norm.gamma, cfg.optim.lr) == (1.0, False, False, 0.005)
     assert compose_cfg(["experiment=popnorm/ablation", "pop_part=none"]).optim.lr == 5e-5
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.norm, cfg.act.name, DataSpec(100, 3, 32))
     norms = [m for m in model.modules() if isinstance(m, POPNorm2d)]
-    assert len(norms) == 13 and all(m.rho == 1.0 and not m.scale for m in norms)
+    assert len(norms) == 13 and all(m.rho == 1.0 and not m.scale and not m.gamma for m in norms)
+    assert all([name for name, _ in m.named_parameters()] == ["bias"] for m in norms)  # eq. 11 has no gamma
     with torch.no_grad():
         logits = model(torch.rand(8, 3, 32, 32))
     assert logits.std() > 1e-3  # kappa 4 gives ~3e-10 here, rho 1 ~2e-2: the bound sits far from both
+
+
+def test_norm_gamma_at_true_is_the_fingerprint_of_older_runs() -> None:
+    """norm.gamma came after runs were recorded: true (a learnable gamma, what they had) leaves
+    the fingerprint as it was; false is another run."""
+    cfg = compose_cfg([*TINY, "norm=popnorm"])
+    assert cfg.norm.gamma is True and "norm.gamma" not in result_config(cfg)
+    assert fingerprint(compose_cfg([*TINY, "norm=popnorm", "norm.gamma=false"])) != fingerprint(cfg)
 
 
 def execution_order(model: nn.Module, x: torch.Tensor) -> list[type]:
@@ -120,6 +130,15 @@ def test_bnp_resnet_bn_warms_up_as_he_et_al(preset: str) -> None:
 def test_bnp_resnet_gn_warms_up_linearly_over_one_epoch(norm: str) -> None:
     got = lrs_at(compose_cfg(["experiment=bnp/resnet110", f"norm={norm}"]), [0, 195, 391, 1000], steps_per_epoch=391)
     assert got == pytest.approx([0.01, 0.01 + 0.09 * 195 / 391, 0.1, 0.1], rel=1e-9)
+
+
+def test_popnorm_kappa_runs_the_protocol_schedule_and_schedule_constant_fixes_the_rate() -> None:
+    """POP-Norm Fig. 2's "we fix the learning rate": the preset's reading is the protocol's
+    schedule for every kappa (0.1, / 10 at steps 16k and 24k); the register's other reading,
+    schedule=constant, keeps 0.1 throughout."""
+    steps = [0, 15999, 16000, 24000]
+    assert lrs_at(compose_cfg(["experiment=popnorm/kappa"]), steps) == pytest.approx([0.1, 0.1, 0.01, 0.001], rel=1e-9)
+    assert lrs_at(compose_cfg(["experiment=popnorm/kappa", "schedule=constant"]), steps) == [0.1] * 4
 
 
 def he_normal_std(model: nn.Module, fan_in: int) -> tuple[float, float]:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from bnexp.app.sweep import LEDGER_ENV
 from bnexp.report import reproduce
 from bnexp.report.presets import load_preset
 from tests.conftest import run_cli
@@ -55,7 +54,7 @@ def test_progress_counts_the_ledgers_runs_and_estimates_the_time_left(tmp_path: 
     """Without a terminal: a plain line whenever the count changed. Runs skipped as finished
     count as done, not toward the rate: 3 trained in 30 s with 6 left is 60 s left."""
     ledger = tmp_path / "ledger.jsonl"
-    monkeypatch.setenv(LEDGER_ENV, str(ledger))
+    monkeypatch.setattr(reproduce, "ledger_file", lambda: ledger)
     clock = [1000.0]
     monkeypatch.setattr(reproduce.time, "monotonic", lambda: clock[0])
     progress = reproduce.TableProgress(10, every=0.0)
@@ -72,3 +71,28 @@ def test_progress_counts_the_ledgers_runs_and_estimates_the_time_left(tmp_path: 
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["reproduce: 4/10 runs done, about 0:01:00 left"]
     assert progress.total == 12 and progress.left() == "about 0:02:40 left"
+
+
+def test_dry_run_with_tune_seeds_states_which_seeds_select_and_which_test(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """CBN Table 1 at quick scale (seeds 0 and 1), ReLU alone, tune_seeds=1: stage 1 is the 3
+    untuned rows on both seeds and the 4 tuned rows' 6 rho on seed 0; stage 2 each tuned
+    row's winner on seed 1; nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    sweep = tmp_path / "sweep"
+    code, out = run_cli(["reproduce", "cbn/table1", "scale=quick", "tune_seeds=1", "dry_run=true", "act=relu",
+                         f"hydra.sweep.dir={sweep}"], capsys)
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[0] == ("bnexp reproduce cbn/table1 (scale quick, tune_seeds=1): each tuned cell chooses its rho by "
+                        "the best mean on seeds 0 (selection) and is reported and tested on seeds 1 (test)")
+    assert lines[1].startswith("stage 1, 30 of the 54 runs") and lines[2] == f"30 jobs in {sweep}:"
+    assert sum("norm.rho=" in line for line in lines[3:33]) == 24
+    assert all("trainer.seed=0" in line for line in lines[3:33] if "norm.rho=" in line)
+    assert ("stage 2, after stage 1: 4 runs, each of the 4 tuned cells at the rho with the best mean on seeds 0, "
+            "on seeds 1 (test); 0 winners known from the runs there now") in lines
+    assert not sweep.exists()
+    code, out = run_cli(["reproduce", "popnorm/table2", "scale=quick", "tune_seeds=1", "dry_run=true"], capsys)
+    assert code == 2 and "tune_seeds applies to presets whose table tunes a parameter" in out
+    code, out = run_cli(["train", "-m", "experiment=cbn/table1", "tune_seeds=1", "--dry-run"], capsys)
+    assert code == 2 and "tune_seeds is an option of bnexp reproduce and bnexp table" in out

@@ -169,6 +169,9 @@ def unknown_key(key: str, cfg: Optional[DictConfig], added: bool = False) -> str
         text += " (bnexp would ignore it; only tags.* may be added with +)"
     if close:
         text += f"; did you mean {' or '.join(f'{parent}.{c}' if parent else c for c in close)}?"
+    if key == "tune_seeds":
+        text += ("; tune_seeds is an option of bnexp reproduce and bnexp table: bnexp reproduce <paper>/<name> "
+                 "tune_seeds=N dry_run=true lists which seeds select and which test.")
     if valid:
         text += f" Valid {'keys under ' + parent if parent else 'groups and keys'}: {', '.join(valid)}"
     return text

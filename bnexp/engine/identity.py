@@ -53,6 +53,7 @@ NEUTRAL_SINCE_ADDED: dict[str, Any] = {
     "model.init_scale": 1,         # the model's own initialization, unscaled (2026-11-24)
     "schedule.warmup_unit": None,  # the warmup counted in schedule.unit (2026-11-24)
     "data.standardize": True,      # images minus the mean, over the std (2026-11-28)
+    "norm.gamma": True,            # the normalization family's learnable gamma (2026-11-28)
 }
 # Tables that a preset's interpolations read (``${oc.select:lookup.warmup.${norm.name}...}``):
 # what a run takes from them is in the keys that read them, so the tables themselves are

@@ -125,6 +125,7 @@ class NormKeys(TypedDict, total=False):
     input: bool
     center: bool
     scale: bool
+    gamma: bool  # false: no learnable gamma (POP-Norm's eq. 11 alone)
     decouple: bool
     rho: Positive
     amat: bool

@@ -37,6 +37,9 @@ class NormFamily(ChannelNorm):
     of exactly what gets divided, computed as ``var_B + (mu_B + t)^2``. ``scale=False`` drops
     ``sigma``. Eval mode plugs the running mean and (unbiased) variance, tracked as
     torch.nn.BatchNorm does, into the same expressions, with the current ``beta``.
+    ``gamma=False`` has no learnable ``gamma`` (POP-Norm's eq. (11) alone is ``x - mu_B +
+    beta``): ``weight`` is then a constant 1 per channel, a buffer outside the state_dict
+    that no optimizer sees, and the expressions above hold with ``gamma = 1``.
 
     ``amat=True`` replaces the running statistics by CBN's adaptive moving averages
     (``amat_mean`` = mu_A, ``amat_var`` = sigma_A^2, ``amat_steps``), used by the training
@@ -73,8 +76,15 @@ class NormFamily(ChannelNorm):
         amat_update: str = BEFORE_FORWARD,
         amat_r_max: Optional[float] = AMAT_R_MAX,
         sync: bool = False,
+        gamma: bool = True,
     ) -> None:
         super().__init__(num_features, eps, sync)
+        if not isinstance(gamma, bool):
+            raise ValueError(f"gamma must be true or false, got {gamma!r}")
+        self.gamma = gamma
+        if not gamma:  # no learnable scale: the forward multiplies by a constant 1
+            del self.weight
+            self.register_buffer("weight", torch.ones(num_features), persistent=False)
         if amat_eta == ADAPTIVE:
             amat_eta = None
         if amat_eta is not None and (isinstance(amat_eta, (bool, str)) or not isinstance(amat_eta, (int, float))):
@@ -124,8 +134,10 @@ class NormFamily(ChannelNorm):
         )
         if self.amat:
             eta = "adaptive" if self.amat_eta is None else self.amat_eta
-            return text + f", amat_eta={eta}, amat_update={self.amat_update}, amat_r_max={self.amat_r_max}"
-        return text + f", momentum={self.momentum}"
+            text += f", amat_eta={eta}, amat_update={self.amat_update}, amat_r_max={self.amat_r_max}"
+        else:
+            text += f", momentum={self.momentum}"
+        return text if self.gamma else text + ", gamma=False"
 
     def set_learning_rate(self, lr: float) -> None:
         """Take the coming step's learning rate: adaptive AMAT sets ``eta_k = max(1 - 10 lr, 0)``.
@@ -360,8 +372,9 @@ def set_adaptive_eta(eta: Tensor, lr: Tensor) -> None:
 
 # The flags of bnexp.nn.NormFamily (METHODS.md section 2), shared by its presets.
 FAMILY_KEYS = ("center", "scale", "decouple", "rho", "amat", "eps", "momentum", "amat_eta", "amat_update",
-               "amat_r_max", "sync")
-BN_FLAGS = {"center": True, "scale": True, "decouple": False, "rho": 1.0, "amat": False, "sync": False}
+               "amat_r_max", "sync", "gamma")
+BN_FLAGS = {"center": True, "scale": True, "decouple": False, "rho": 1.0, "amat": False, "sync": False,
+            "gamma": True}
 
 
 def batch_norm(family: type[nn.Module], torch_bn: type[nn.modules.batchnorm._BatchNorm]) -> Builder:

@@ -11,15 +11,18 @@ of CBN Tables 1-4) in two stages: the sweeps that vary it on seeds 0..N-1 (the o
 every seed), then each of their cells at its winning value on the remaining seeds; its
 table then tests each tuned cell on those remaining seeds only (selection apart from testing).
 ``dry_run=true`` lists the runs, the packs the packing launcher would make, its workers and
-the GPU-hours projected from the last ``make gpu-check`` (:func:`projection`).
+the GPU-hours projected from the last ``make gpu-check`` (:func:`projection`); with
+``tune_seeds``, the seeds that select and those that test, stage one's runs, and what stage
+two will run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import json
-import os
+import math
 import sys
 import threading
 import time
@@ -31,7 +34,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from bnexp.app.compose import hydra_session, is_group, parser
-from bnexp.app.sweep import LEDGER_ENV, Job, describe_jobs, distinct_packs, pack_groups
+from bnexp.app.sweep import Job, describe_jobs, distinct_packs, ledger_file, pack_groups
 from bnexp.app.train import multirun
 from bnexp.engine.pack import PER_RUN_KEYS, unpackable
 from bnexp.report.presets import SEED, Preset, count, estimate, job_value, load_preset, parse_command, preset_overrides, steps_per_run
@@ -63,16 +66,22 @@ def default_launcher(overrides: Sequence[str]) -> list[str]:
     return [PACK_LAUNCHER] if torch.cuda.is_available() and not chosen else []
 
 
-def stage_one(p: Preset, tune_seeds: int) -> list[Lines]:
-    """The preset's sweeps, those that vary the tuned parameter on seeds below ``tune_seeds``."""
+def stage_one_preset(p: Preset, tune_seeds: int) -> Preset:
+    """The preset with the sweeps of stage one: those that vary the tuned parameter on seeds
+    below ``tune_seeds`` only, the others as they are."""
     key = tuned_key(p)
     sweeps = []
     for sweep in p.sweeps:
         values = dict(sweep)
         if key in sweep:
             values[SEED] = [s for s in sweep.get(SEED, [str(p.cfg.trainer.seed)]) if int(s) < tune_seeds]
-        sweeps.append([f"{k}={','.join(v)}" for k, v in values.items()])
-    return sweeps
+        sweeps.append(values)
+    return dataclasses.replace(p, sweeps=tuple(sweeps))
+
+
+def stage_one(p: Preset, tune_seeds: int) -> list[Lines]:
+    """The preset's sweeps, those that vary the tuned parameter on seeds below ``tune_seeds``."""
+    return [[f"{k}={','.join(v)}" for k, v in values.items()] for values in stage_one_preset(p, tune_seeds).sweeps]
 
 
 def stage_two(p: Preset, tune_seeds: int) -> list[Lines]:
@@ -118,9 +127,7 @@ def reproduce(name: str, scale: str = "full", force: bool = False, tune_seeds: i
             codes = [launch(p)]
     else:
         first = stage_one(p, tune_seeds)
-        print(f"bnexp reproduce {name} (scale {scale}, tune_seeds={tune_seeds}): {split_plan(p, tune_seeds)}\n"
-              f"stage 1, {count(p, first)} of the {estimate(p)} of the full grid; results in {p.results_dir}",
-              flush=True)
+        print(f"{staged_head(p, tune_seeds, count(p, first))}; results in {p.results_dir}", flush=True)
         gate(p, force)
         with TableProgress(count(p, first)) as progress:
             codes = [launch(p, sweep) for sweep in first]
@@ -132,23 +139,50 @@ def reproduce(name: str, scale: str = "full", force: bool = False, tune_seeds: i
     return table_text(p, p.results_dir, tune_seeds=tune_seeds), max(codes)
 
 
+def staged_head(p: Preset, tune_seeds: int, first: int) -> str:
+    """The first lines of a two-stage run's plan: the split of the seeds, and stage one's
+    ``first`` runs beside the full grid's."""
+    return (f"bnexp reproduce {p.name} (scale {p.scale}, tune_seeds={tune_seeds}): {split_plan(p, tune_seeds)}\n"
+            f"stage 1, {first} of the {estimate(p)} of the full grid")
+
+
 def split_plan(p: Preset, tune_seeds: int) -> str:
     """The selection/test split of a two-stage run, as the plan states it."""
     later = [s for s in p.seeds if s >= tune_seeds]
-    tested = f"seeds {later[0]}-{later[-1]}" if later else "no seed (add seeds: trainer.seed=range(10))"
-    return (f"each tuned cell chooses its {p.layout.tune_name} by the best mean on seeds 0-{tune_seeds - 1} "
-            f"(selection) and is reported and tested on {tested} (test)")
+    tested = f"seeds {spans(later)}" if later else "no seed (add seeds: trainer.seed=range(10))"
+    return (f"each tuned cell chooses its {p.layout.tune_name} by the best mean on seeds "
+            f"{spans(list(range(tune_seeds)))} (selection) and is reported and tested on {tested} (test)")
 
 
-def dry_run(name: str, scale: str = "full", overrides: Sequence[str] = ()) -> str:
+def dry_run(name: str, scale: str = "full", overrides: Sequence[str] = (), tune_seeds: int | None = None) -> str:
     """The preset's cells and their run directories, the packs and workers that would train
     them (under the packing launcher, unless ``overrides`` choose another) and the GPU-hours
-    projected from the last ``make gpu-check``, without running anything."""
+    projected from the last ``make gpu-check``, without running anything. With
+    ``tune_seeds``: which seeds select and which test, stage one's cells, and stage two's
+    (:func:`stage_two_plan`)."""
     chosen = any(o.lstrip("+~").startswith("hydra/launcher=") for o in overrides)
     p = load_preset(name, scale, [*([] if chosen else [PACK_LAUNCHER]), *overrides])
-    packs = pack_plan(p)
-    return (f"bnexp reproduce {name} (scale {scale}): {estimate(p)}\n{describe_jobs(p.jobs, p.results_dir)}\n"
-            f"{describe_packs(p, packs)}\n{projection(p, packs)}\n")
+    if tune_seeds is None:
+        head, runs, after = f"bnexp reproduce {name} (scale {scale}): {estimate(p)}", p, ""
+    else:
+        runs = stage_one_preset(p, tune_seeds)
+        head, after = staged_head(p, tune_seeds, len(runs.jobs)), f"{stage_two_plan(p, tune_seeds)}\n"
+    packs = pack_plan(runs)
+    return (f"{head}\n{describe_jobs(runs.jobs, p.results_dir)}\n{describe_packs(runs, packs)}\n"
+            f"{projection(runs, packs)}\n{after}")
+
+
+def stage_two_plan(p: Preset, tune_seeds: int) -> str:
+    """What stage two will run: each tuned cell at its winning value on the test seeds, the
+    winners known now (from stage one's runs in the results folder) listed."""
+    key = tuned_key(p)
+    tested = [s for s in p.seeds if s >= tune_seeds]
+    cells = sum(math.prod(len(v) for k, v in sweep.items() if k not in (key, SEED)) for sweep in p.sweeps if key in sweep)
+    known = stage_two(p, tune_seeds)
+    lines = [f"stage 2, after stage 1: {cells * len(tested)} runs, each of the {cells} tuned cells at the "
+             f"{p.layout.tune_name} with the best mean on seeds {spans(list(range(tune_seeds)))}, on seeds "
+             f"{spans(tested) or 'none'} (test); {len(known)} winners known from the runs there now"]
+    return "\n".join([*lines, *(f"  {' '.join(sweep)}" for sweep in known)])
 
 
 def pack_size(p: Preset) -> int:
@@ -267,7 +301,7 @@ def projection(p: Preset, packs: list[list[Job]], path: Path = GPU_CHECK) -> str
 
 class TableProgress:
     """A progress bar over a whole table: the runs the sweeps have recorded in their ledgers
-    (each sweep's, :data:`bnexp.app.sweep.LEDGER_ENV`), looked at every ``poll`` seconds, and
+    (each sweep's, :func:`bnexp.app.sweep.ledger_file`), looked at every ``poll`` seconds, and
     the time left at the rate of the runs trained so far (those skipped as finished before
     do not count). With a terminal a tqdm bar on stderr; without one a plain line whenever
     the count changed, at most every ``every`` seconds."""
@@ -303,7 +337,7 @@ class TableProgress:
 
     def update(self, final: bool = False) -> None:
         """Read the running sweep's ledger, then move the bar or print a line."""
-        ledger = os.environ.get(LEDGER_ENV)
+        ledger = ledger_file()
         if ledger:
             try:
                 lines = Path(ledger).read_text().splitlines()
@@ -346,10 +380,10 @@ def reproduce_for(args: list[str]) -> None:
              "[Hydra overrides]")
     defaults = {"scale": "full", "force": "false", "tune_seeds": "", "dry_run": "false"}
     name, opts, overrides = parse_command(args, usage, defaults)
-    if opts["dry_run"].lower() in TRUE:
-        print(dry_run(name, opts["scale"], overrides), end="")
-        return
     tune = seed_count(opts["tune_seeds"], "tune_seeds")
+    if opts["dry_run"].lower() in TRUE:
+        print(dry_run(name, opts["scale"], overrides, tune), end="")
+        return
     table, code = reproduce(name, opts["scale"], opts["force"].lower() in TRUE, tune, overrides)
     print(table, end="", flush=True)
     if code:
