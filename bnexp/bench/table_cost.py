@@ -43,7 +43,7 @@ from bnexp.bench.common import COMMON, Record, compose_train, device_of, environ
 from bnexp.engine.pack_size import packed_step
 from bnexp.models import DataSpec
 from bnexp.support.errors import ConfigError
-from bnexp.support.runinfo import atomic_write
+from bnexp.support.runinfo import atomic_write, configure_backends
 
 DEFAULTS: dict[str, Any] = {**COMMON, "model": "resnet20", "norm": "cbn", "runs": ("10", "30", "60"),
                             "convs": ("grouped", "streams"), "workers": ("1", "2", "4"),
@@ -101,6 +101,7 @@ def step_seconds(setting: Setting, options: Mapping[str, Any], overrides: Sequen
         cfg = compose_train([f"model={options['model']}", f"norm={options['norm']}", "optim.lr=0.001",
                              f"trainer.amp={setting.amp}", f"trainer.channels_last={setting.layout == 'channels_last'}",
                              f"trainer.pack_conv={setting.conv}", *overrides])
+        configure_backends(cfg.trainer.tf32, cfg.trainer.deterministic)  # cudnn.benchmark as in a run
         spec = DataSpec(10, 3, int(options["image_size"]))
         step = packed_step(cfg, spec, int(options["batch"]), setting.runs, device)[0]
         for _ in range(int(options["warmup"])):
