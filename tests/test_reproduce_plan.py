@@ -23,6 +23,10 @@ def test_dry_run_names_the_packs_and_workers_and_has_no_projection_without_a_gpu
     assert "2 packs (2 of 2 runs) for 3 worker(s) (3 per GPU (no GPU here: counted for one)):" in out
     assert "pack 1: norm=bn: seeds 0-1" in out and "pack 2: norm=popnorm: seeds 0-1" in out
     assert "projected GPU-hours: no measurement (results/gpu-check/table-cost.json not found)" in out
+    code, out = run_cli([*DRY, "hydra/launcher=pack_slurm", "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=8",
+                         "hydra.launcher.per_gpu=2", f"hydra.sweep.dir={tmp_path / 'sweep'}"], capsys)
+    assert code == 0 and "2 packs (2 of 2 runs) for 32 worker(s) (2 per GPU x 8 GPUs per node x 2 node(s): " \
+                         "the tasks of one SLURM job):" in out, out
     code, out = run_cli([*DRY, "hydra/launcher=basic", f"hydra.sweep.dir={tmp_path / 'sweep'}"], capsys)
     assert code == 0 and "4 packs (4 of 1 runs)" in out  # another launcher: one run at a time
     assert not (tmp_path / "sweep").exists()

@@ -188,10 +188,16 @@ def pack_plan(p: Preset) -> list[list[Job]]:
 
 
 def workers(p: Preset) -> tuple[int, str]:
-    """How many workers train the packs (``per_gpu`` per GPU seen here), and how that was counted."""
+    """How many workers train the packs (``per_gpu`` per GPU seen here; under
+    ``hydra/launcher=pack_slurm`` the tasks of its job), and how that was counted."""
     import torch
 
-    per_gpu = int(p.cfg.hydra.launcher.get("per_gpu", 1))
+    launcher = p.cfg.hydra.launcher
+    per_gpu = int(launcher.get("per_gpu", 1))
+    if "nodes" in launcher:  # pack_slurm: as PackSlurmLauncher.worker_count
+        nodes, node_gpus = int(launcher.nodes), int(launcher.gpus_per_node)
+        return nodes * per_gpu * max(1, node_gpus), (f"{per_gpu} per GPU x {node_gpus} GPUs per node x {nodes} "
+                                                     "node(s): the tasks of one SLURM job")
     gpus = torch.cuda.device_count()
     return per_gpu * max(1, gpus), (f"{per_gpu} per GPU x {gpus} GPUs" if gpus else
                                     f"{per_gpu} per GPU (no GPU here: counted for one)")
