@@ -137,6 +137,16 @@ def test_bench_table_cost(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert f"| {best['name']} | {best['images_per_second']:,.0f} | {best['table1_gpu_hours']:.2f} |" in row
 
 
+
+@pytest.mark.slow  # two worker processes, each importing torch
+def test_bench_table_cost_with_two_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two worker processes step at once: images/s counts both workers' runs."""
+    args = ["table_cost", "runs=2", "convs=streams", "workers=2", "setups=off:contiguous", "batch=4", "image_size=8",
+            "warmup=1", *TOY_MODEL]
+    [r] = bench(args, tmp_path, capsys)
+    assert r["name"] == "K=2 streams x2 off contiguous" and r["error"] is None
+    assert r["images_per_second"] == pytest.approx(2 * 2 * 4 / r["seconds_median"])
+
 def test_table_cost_writes_as_it_goes_and_starts_nothing_its_budget_cannot_hold(tmp_path: Path, monkeypatch) -> None:
     """On a clock the measurements move (a grouped setting takes 10 s per run, a streams one
     20 s): each setting starts only when the seconds left hold what the last of its form took

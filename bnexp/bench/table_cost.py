@@ -126,16 +126,18 @@ def step_seconds(setting: Setting, options: Mapping[str, Any], overrides: Sequen
 
 def worker(index: int, options: Mapping[str, Any], overrides: Sequence[str], barriers: Mapping[int, Any],
            inbox: Any, outbox: Any) -> None:
-    """A worker process: measure each setting it is sent, until it is sent None."""
+    """A worker process: say it has started, then measure each setting it is sent, until it is sent None."""
     if options.get("threads"):
         torch.set_num_threads(int(options["threads"]))
+    outbox.put((index, None))
     while (setting := inbox.get()) is not None:
         outbox.put((index, step_seconds(setting, options, overrides, barriers[setting.workers])))
 
 
 class Workers:
     """The worker processes (as many as the largest worker count), each with its inbox, and
-    one barrier per worker count; with one worker at most, this process itself."""
+    one barrier per worker count, all started (their imports done) before any setting is
+    timed; with one worker at most, this process itself."""
 
     def __init__(self, options: Mapping[str, Any], overrides: Sequence[str], count: int) -> None:
         self.options, self.overrides, self.count = options, overrides, count
@@ -147,6 +149,8 @@ class Workers:
                       for i, box in enumerate(self.inboxes)]
         for proc in self.procs:
             proc.start()
+        for _ in self.procs:
+            self.outbox.get(timeout=BARRIER_TIMEOUT_S)
 
     def measure(self, setting: Setting) -> list[list[float] | str]:
         """Each of the setting's workers' step seconds (or error)."""
