@@ -140,3 +140,56 @@ def test_bench_table_cost(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert [r["best"] for r in records] == [r is best for r in records] and best["ratio"] == 1
     row = (tmp_path / "table_cost.md").read_text().splitlines()[2]
     assert f"| {best['name']} | {best['images_per_second']:,.0f} | {best['table1_gpu_hours']:.2f} |" in row
+
+
+
+@pytest.mark.slow  # two worker processes, each importing torch
+def test_bench_table_cost_with_two_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two worker processes step at once: images/s counts both workers' runs."""
+    args = ["table_cost", "runs=2", "convs=streams", "workers=2", "setups=off:contiguous", "batch=4", "image_size=8",
+            "warmup=1", *TOY_MODEL]
+    [r] = bench(args, tmp_path, capsys)
+    assert r["name"] == "K=2 streams x2 off contiguous" and r["error"] is None
+    assert r["images_per_second"] == pytest.approx(2 * 2 * 4 / r["seconds_median"])
+
+def test_table_cost_writes_as_it_goes_and_starts_nothing_its_budget_cannot_hold(tmp_path: Path, monkeypatch) -> None:
+    """On a clock the measurements move (a grouped setting takes 10 s per run, a streams one
+    20 s): each setting starts only when the seconds left hold what the last of its form took
+    per run (the slowest form's before its own), the JSON on disk holds every setting measured
+    before the next starts, and the row names the faster form per setup."""
+    from types import SimpleNamespace
+
+    from bnexp.bench import table_cost
+    from bnexp.bench.common import parse
+
+    out = tmp_path / "table_cost.json"
+    clock = [0.0]
+    on_disk: list[list[str]] = []
+
+    class Workers:
+        def __init__(self, *args: object) -> None:
+            pass
+
+        def measure(self, setting: table_cost.Setting) -> list[list[float]]:
+            on_disk.append([r["name"] for r in json.loads(out.read_text())] if out.exists() else [])
+            clock[0] += setting.runs * (10 if setting.conv == "grouped" else 20)
+            return [[0.5 if setting.conv == "grouped" else 0.25]]
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(table_cost, "Workers", Workers)
+    monkeypatch.setattr(table_cost, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(table_cost, "table_images", lambda: 10**6)
+    options, _ = parse(["runs=1,2,4", "workers=1", "setups=off:contiguous", "batch=4", "budget=60", "device=cpu",
+                        f"out={out}"], table_cost.DEFAULTS, overrides_ok=True)
+    records = table_cost.bench(options, [])
+    measured = ["K=1 grouped x1 off contiguous", "K=1 streams x1 off contiguous", "K=2 grouped x1 off contiguous"]
+    assert [r["name"] for r in records[:-1]] == measured and clock[0] == 50  # 10 + 20 + 2 x 10
+    assert records[-1]["left_out"] == ["K=2 streams x1 off contiguous", "K=4 grouped x1 off contiguous",
+                                       "K=4 streams x1 off contiguous"]
+    assert on_disk == [[], measured[:1], measured[:2]]
+    assert [r["name"] for r in json.loads(out.read_text())] == [*measured, "left out (budget)"]
+    row = out.with_suffix(".md").read_text()
+    assert "off contiguous: streams faster (streams / grouped images/s, median of 1: 2.00)" in row
+    assert "left out (budget): K=2 streams x1 off contiguous, K=4 grouped" in row

@@ -78,6 +78,24 @@ def test_trainer_pack_auto_picks_what_fits_and_says_so(tmp_path: Path, capsys, m
     assert code == 2 and "trainer.pack=auto sizes the packs of a sweep" in out and not (tmp_path / "one").exists()
 
 
+def test_trainer_pack_auto_divides_a_device_among_its_own_workers_only(monkeypatch) -> None:
+    """On 4 GPUs with per_gpu=2 the launcher starts 8 workers, but each device is shared by 2:
+    auto sizes the packs for 2 workers, once per kind of run."""
+    from omegaconf import open_dict
+
+    from bnexp.engine import pack_size
+    from hydra_plugins.bnexp_launcher import PackLauncher
+
+    asked: list[int] = []
+    monkeypatch.setattr(pack_size, "measured_pack", lambda cfg, workers: (asked.append(workers), (7, "measured"))[1])
+    config = compose_cfg([*TINY, "norm=cbn", "trainer.pack=auto"])
+    with open_dict(config):
+        config.hydra = {}
+    launcher = PackLauncher(per_gpu=2)
+    assert launcher.worker_count(["0", "1", "2", "3"]) == 8
+    assert [launcher.pack_size(config, runs) for runs in (100, 5)] == [7, 5] and asked == [2]
+
+
 def claim_all(folder: Path, taken: "multiprocessing.Queue") -> None:
     for pack in PackClaims(folder).take():
         time.sleep(0.05)  # long enough for the other worker to try the same pack

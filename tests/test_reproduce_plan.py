@@ -23,6 +23,10 @@ def test_dry_run_names_the_packs_and_workers_and_has_no_projection_without_a_gpu
     assert "2 packs (2 of 2 runs) for 3 worker(s) (3 per GPU (no GPU here: counted for one)):" in out
     assert "pack 1: norm=bn: seeds 0-1" in out and "pack 2: norm=popnorm: seeds 0-1" in out
     assert "projected GPU-hours: no measurement (results/gpu-check/table-cost.json not found)" in out
+    code, out = run_cli([*DRY, "hydra/launcher=pack_slurm", "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=8",
+                         "hydra.launcher.per_gpu=2", f"hydra.sweep.dir={tmp_path / 'sweep'}"], capsys)
+    assert code == 0 and "2 packs (2 of 2 runs) for 32 worker(s) (2 per GPU x 8 GPUs per node x 2 node(s): " \
+                         "the tasks of one SLURM job):" in out, out
     code, out = run_cli([*DRY, "hydra/launcher=basic", f"hydra.sweep.dir={tmp_path / 'sweep'}"], capsys)
     assert code == 0 and "4 packs (4 of 1 runs)" in out  # another launcher: one run at a time
     assert not (tmp_path / "sweep").exists()
@@ -52,25 +56,29 @@ def test_dry_run_projects_the_measured_setting_of_its_packs(tmp_path: Path, caps
 
 def test_progress_counts_the_ledgers_runs_and_estimates_the_time_left(tmp_path: Path, capsys, monkeypatch) -> None:
     """Without a terminal: a plain line whenever the count changed. Runs skipped as finished
-    count as done, not toward the rate: 3 trained in 30 s with 6 left is 60 s left."""
+    count as done, not toward the rate: 3 trained in 30 s with 6 left is 60 s left. A sweep
+    that ended counts all its runs, those its ledger held when it was deleted unread too."""
     ledger = tmp_path / "ledger.jsonl"
-    monkeypatch.setattr(reproduce, "ledger_file", lambda: ledger)
+    monkeypatch.setattr(reproduce, "ledger_file", lambda: ledger if ledger.exists() else None)
     clock = [1000.0]
     monkeypatch.setattr(reproduce.time, "monotonic", lambda: clock[0])
     progress = reproduce.TableProgress(10, every=0.0)
-    entries = [{"planned": 10}, *({"dir": f"run{i}", "status": "completed"} for i in range(3)),
+    entries = [{"planned": 5}, *({"dir": f"run{i}", "status": "completed"} for i in range(3)),
                {"dir": "old", "status": "skipped"}]
     ledger.write_text("".join(json.dumps(e) + "\n" for e in entries) + '{"dir": "half')
     clock[0] += 30
     progress.update()
     progress.update()  # no change: no second line
+    ledger.unlink()  # the sweep's report read it back (one more run trained) and deleted it
+    clock[0] += 10
+    progress.sweep_ended(5)  # 4 trained in 40 s, 5 left
     progress.add(2)
-    clock[0] += 30
-    progress.update(final=True)
+    clock[0] += 20
+    progress.update(final=True)  # between sweeps: no ledger, no change
     progress.bar.close()
     lines = capsys.readouterr().err.splitlines()
-    assert lines == ["reproduce: 4/10 runs done, about 0:01:00 left"]
-    assert progress.total == 12 and progress.left() == "about 0:02:40 left"
+    assert lines == ["reproduce: 4/10 runs done, about 0:01:00 left", "reproduce: 5/10 runs done, about 0:00:50 left"]
+    assert progress.total == 12 and progress.left() == "about 0:01:45 left"  # 60 s / 4 x 7
 
 
 def test_dry_run_with_tune_seeds_states_which_seeds_select_and_which_test(

@@ -15,16 +15,21 @@ steps only, without evaluation or start-up. The fastest setting is named ``best`
 The first of ``setups`` (``amp:layout``, ``bf16:channels_last`` by default) is measured for
 every K, form and worker count (one worker first, then two, then four); every other setup
 (``off:contiguous``: float32, NCHW) for the largest K and one worker, each form, so that the
-faster form can be chosen per layout and precision. ``budget`` (seconds,
-0 for none) stops before a setting that would start after it; the settings left out are
-listed. Other ``key=value`` are Hydra overrides of the run (``trainer.compile=true``;
-``model.width=4`` for a toy). Besides ``out`` (JSON), ``out`` with ``.md`` holds the row for
-docs/benchmarks.md.
+faster form can be chosen per layout and precision. ``budget`` (seconds from the bench's
+start, 0 for none) starts no setting it cannot hold: a setting is expected to take what the
+last setting of its convolution form took (the slowest form's, per run, before its own was
+measured), scaled by its runs per step (K times workers); those left out are listed. The
+records (the JSON and the markdown) are written after every setting, so a bench stopped
+from outside keeps what it measured. Other ``key=value`` are Hydra overrides of the run
+(``trainer.compile=true``; ``model.width=4`` for a toy). Besides ``out`` (JSON), ``out``
+with ``.md`` holds the row for docs/benchmarks.md and, per setup (precision and layout),
+the faster convolution form.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import multiprocessing
 import statistics
 import time
@@ -38,7 +43,7 @@ from bnexp.bench.common import COMMON, Record, compose_train, device_of, environ
 from bnexp.engine.pack_size import packed_step
 from bnexp.models import DataSpec
 from bnexp.support.errors import ConfigError
-from bnexp.support.runinfo import atomic_write
+from bnexp.support.runinfo import atomic_write, configure_backends
 
 DEFAULTS: dict[str, Any] = {**COMMON, "model": "resnet20", "norm": "cbn", "runs": ("10", "30", "60"),
                             "convs": ("grouped", "streams"), "workers": ("1", "2", "4"),
@@ -96,6 +101,7 @@ def step_seconds(setting: Setting, options: Mapping[str, Any], overrides: Sequen
         cfg = compose_train([f"model={options['model']}", f"norm={options['norm']}", "optim.lr=0.001",
                              f"trainer.amp={setting.amp}", f"trainer.channels_last={setting.layout == 'channels_last'}",
                              f"trainer.pack_conv={setting.conv}", *overrides])
+        configure_backends(cfg.trainer.tf32, cfg.trainer.deterministic)  # cudnn.benchmark as in a run
         spec = DataSpec(10, 3, int(options["image_size"]))
         step = packed_step(cfg, spec, int(options["batch"]), setting.runs, device)[0]
         for _ in range(int(options["warmup"])):
@@ -120,16 +126,18 @@ def step_seconds(setting: Setting, options: Mapping[str, Any], overrides: Sequen
 
 def worker(index: int, options: Mapping[str, Any], overrides: Sequence[str], barriers: Mapping[int, Any],
            inbox: Any, outbox: Any) -> None:
-    """A worker process: measure each setting it is sent, until it is sent None."""
+    """A worker process: say it has started, then measure each setting it is sent, until it is sent None."""
     if options.get("threads"):
         torch.set_num_threads(int(options["threads"]))
+    outbox.put((index, None))
     while (setting := inbox.get()) is not None:
         outbox.put((index, step_seconds(setting, options, overrides, barriers[setting.workers])))
 
 
 class Workers:
     """The worker processes (as many as the largest worker count), each with its inbox, and
-    one barrier per worker count; with one worker at most, this process itself."""
+    one barrier per worker count, all started (their imports done) before any setting is
+    timed; with one worker at most, this process itself."""
 
     def __init__(self, options: Mapping[str, Any], overrides: Sequence[str], count: int) -> None:
         self.options, self.overrides, self.count = options, overrides, count
@@ -141,6 +149,8 @@ class Workers:
                       for i, box in enumerate(self.inboxes)]
         for proc in self.procs:
             proc.start()
+        for _ in self.procs:
+            self.outbox.get(timeout=BARRIER_TIMEOUT_S)
 
     def measure(self, setting: Setting) -> list[list[float] | str]:
         """Each of the setting's workers' step seconds (or error)."""
@@ -159,44 +169,95 @@ class Workers:
 
 
 def bench(options: Mapping[str, Any], overrides: Sequence[str]) -> list[Record]:
+    started = time.perf_counter()
     device = device_of(options)
     todo = settings(options)
     mode = "compiled" if any(o.replace(" ", "") == "trainer.compile=true" for o in overrides) else "eager"
     images = table_images()
-    started = time.perf_counter()
     pool = Workers(options, overrides, max(s.workers for s in todo))
-    records, left_out = [], []
+    records: list[Record] = []
+    left_out: list[str] = []
+    took: dict[str, tuple[int, float]] = {}  # conv form -> (runs per step, seconds) of its last setting
     try:
         for setting in todo:
-            if options["budget"] and time.perf_counter() - started > options["budget"]:
+            spent = time.perf_counter() - started
+            if options["budget"] and spent + expected_seconds(setting, took) > options["budget"]:
                 left_out.append(setting.name)
-                continue
-            results = pool.measure(setting)
-            errors = [r for r in results if isinstance(r, str)]
-            slowest = max(statistics.median(r) for r in results if not isinstance(r, str)) if not errors else None
-            rate = setting.workers * setting.runs * int(options["batch"]) / slowest if slowest else None
-            records.append(record(setting.name, mode, device, [slowest] if slowest else [float("nan")],
-                                  "images per second", ratio=None, **asdict(setting), images_per_second=rate,
-                                  table1_gpu_hours=images / rate / 3600 if rate else None,
-                                  error=errors[0] if errors else None))
+            else:
+                begun = time.perf_counter()
+                results = pool.measure(setting)
+                took[setting.conv] = (setting.runs * setting.workers, time.perf_counter() - begun)
+                records.append(setting_record(setting, results, mode, device, images, int(options["batch"])))
+            save(rank(records, left_out, images, options), options)
     finally:
         pool.close()
     return rank(records, left_out, images, options)
 
 
+def setting_record(setting: Setting, results: list[list[float] | str], mode: str, device: torch.device,
+                   images: int, batch: int) -> Record:
+    """A setting's record from its workers' step seconds (or errors): images/s at the slowest
+    worker's median step, Table 1's GPU-hours at that rate."""
+    errors = [r for r in results if isinstance(r, str)]
+    slowest = max(statistics.median(r) for r in results if not isinstance(r, str)) if not errors else None
+    rate = setting.workers * setting.runs * batch / slowest if slowest else None
+    return record(setting.name, mode, device, [slowest] if slowest else [float("nan")], "images per second",
+                  ratio=None, **asdict(setting), images_per_second=rate,
+                  table1_gpu_hours=images / rate / 3600 if rate else None, error=errors[0] if errors else None)
+
+
+def expected_seconds(setting: Setting, took: Mapping[str, tuple[int, float]]) -> float:
+    """The seconds ``setting`` is expected to take: those of the last measured setting of its
+    convolution form (of the slowest form, before its own has been measured), scaled by its
+    runs per step; 0 before anything was measured."""
+    if not took:
+        return 0.0
+    runs, seconds = took.get(setting.conv) or max(took.values(), key=lambda t: t[1] / t[0])
+    return seconds * setting.runs * setting.workers / runs
+
+
+def save(records: list[Record], options: Mapping[str, Any]) -> None:
+    """The records so far into ``out`` (JSON, stamped with the environment), as the finished
+    bench writes them."""
+    env = environment(device_of(options))
+    text = json.dumps([{**r, "env": env} for r in records], indent=2, default=str)
+    path = Path(str(options["out"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
 def rank(records: list[Record], left_out: list[str], images: int, options: Mapping[str, Any]) -> list[Record]:
     """Name the fastest setting (``best``), give each its images/s relative to it (``ratio``,
-    below 1: slower), and write the markdown row beside ``out``."""
+    below 1: slower), and write the markdown row beside ``out``; the records, and one that
+    lists the settings left out, if any."""
     measured = [r for r in records if r["images_per_second"]]
     best = max(measured, key=lambda r: r["images_per_second"]) if measured else None
     for r in records:
         r["best"] = r is best
         r["ratio"] = r["images_per_second"] / best["images_per_second"] if r["images_per_second"] and best else None
+    ranked = list(records)
     if left_out:
-        records.append({"name": "left out (budget)", "mode": "", "seconds_median": None, "images_per_second": None,
-                        "table1_gpu_hours": None, "ratio": None, "left_out": left_out, "table1_images": images})
-    write_markdown(Path(str(options["out"])).with_suffix(".md"), records, best, device_of(options))
-    return records
+        ranked.append({"name": "left out (budget)", "mode": "", "seconds_median": None, "images_per_second": None,
+                       "table1_gpu_hours": None, "ratio": None, "left_out": list(left_out), "table1_images": images})
+    write_markdown(Path(str(options["out"])).with_suffix(".md"), ranked, best, device_of(options))
+    return ranked
+
+
+def faster_forms(records: list[Record]) -> list[str]:
+    """Per setup (precision and layout), how the two convolution forms compare where both were
+    measured at the same K and workers: the median of streams' images/s over grouped's, and
+    the form that is faster."""
+    rates = {(r["amp"], r["layout"], r["runs"], r["workers"], r["conv"]): r["images_per_second"]
+             for r in records if r.get("images_per_second")}
+    lines = []
+    for amp, layout in dict.fromkeys((a, lay) for a, lay, *_ in rates):
+        pairs = [(rates[a, lay, k, w, "streams"], rate) for (a, lay, k, w, conv), rate in rates.items()
+                 if (a, lay) == (amp, layout) and conv == "grouped" and (a, lay, k, w, "streams") in rates]
+        if pairs:
+            ratio = statistics.median(s / g for s, g in pairs)
+            lines.append(f"{amp} {layout}: {'streams' if ratio > 1 else 'grouped'} faster (streams / grouped "
+                         f"images/s, median of {len(pairs)}: {ratio:.2f})")
+    return lines
 
 
 def write_markdown(path: Path, records: list[Record], best: Record | None, device: torch.device) -> None:
@@ -221,6 +282,7 @@ def write_markdown(path: Path, records: list[Record], best: Record | None, devic
             rate = f"{r['images_per_second']:,.0f}" if r["images_per_second"] else (r.get("error") or "-")
             ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
             lines.append(f"| {r['name']} | {rate} | {hours(r)} | {ratio} |")
+    lines += ["", *faster_forms(records)]
     path.parent.mkdir(parents=True, exist_ok=True)
     text = "\n".join(lines) + "\n"
     atomic_write(path, lambda f: f.write(text.encode()))

@@ -57,9 +57,11 @@ class StepCost:
 
 
 def free_bytes(device: torch.device) -> int:
-    """Memory that can still be had on ``device``: the driver's free memory on a GPU, the
-    kernel's ``MemAvailable`` on a CPU (all physical pages where /proc/meminfo is missing)."""
+    """Memory that can still be had on ``device``: the driver's free memory on a GPU (after
+    this process's cache, the measured steps', is handed back), the kernel's ``MemAvailable``
+    on a CPU (all physical pages where /proc/meminfo is missing)."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(device)[0]
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -51,11 +51,14 @@ GPU_CHECK = Path("results/gpu-check/table-cost.json")  # written by make gpu-che
 PACK_LAUNCHER = "hydra/launcher=pack"
 
 
-def launch(p: Preset, sweep: Optional[Sequence[str]] = None) -> int:
-    """``bnexp train -m`` over the preset, in-process: its own sweeps, or only ``sweep``.
-    Returns EXIT_FAILED when cells failed, else 0."""
+def launch(p: Preset, progress: "TableProgress", sweep: Optional[Sequence[str]] = None) -> int:
+    """``bnexp train -m`` over the preset, in-process: its own sweeps, or only ``sweep``,
+    counted by ``progress`` as it runs and as done once it ended. Returns EXIT_FAILED when
+    cells failed, else 0."""
     only = [] if sweep is None else ["hydra.sweeper.sweeps=[]", *sweep]
-    return multirun([*preset_overrides(p.name, p.scale), *default_launcher(p.overrides), *p.overrides, *only])
+    code = multirun([*preset_overrides(p.name, p.scale), *default_launcher(p.overrides), *p.overrides, *only])
+    progress.sweep_ended(len(p.jobs) if sweep is None else count(p, [sweep]))
+    return code
 
 
 def default_launcher(overrides: Sequence[str]) -> list[str]:
@@ -123,19 +126,19 @@ def reproduce(name: str, scale: str = "full", force: bool = False, tune_seeds: i
     if tune_seeds is None:
         print(f"bnexp reproduce {name} (scale {scale}): {estimate(p)}; results in {p.results_dir}", flush=True)
         gate(p, force)
-        with TableProgress(len(p.jobs)):
-            codes = [launch(p)]
+        with TableProgress(len(p.jobs)) as progress:
+            codes = [launch(p, progress)]
     else:
         first = stage_one(p, tune_seeds)
         print(f"{staged_head(p, tune_seeds, count(p, first))}; results in {p.results_dir}", flush=True)
         gate(p, force)
         with TableProgress(count(p, first)) as progress:
-            codes = [launch(p, sweep) for sweep in first]
+            codes = [launch(p, progress, sweep) for sweep in first]
             second = stage_two(p, tune_seeds)
             print(f"bnexp reproduce {name}: stage 2, {count(p, second)} runs at the winning {p.layout.tune_name}",
                   flush=True)
             progress.add(count(p, second))
-            codes += [launch(p, sweep) for sweep in second]
+            codes += [launch(p, progress, sweep) for sweep in second]
     return table_text(p, p.results_dir, tune_seeds=tune_seeds), max(codes)
 
 
@@ -220,10 +223,16 @@ def pack_plan(p: Preset) -> list[list[Job]]:
 
 
 def workers(p: Preset) -> tuple[int, str]:
-    """How many workers train the packs (``per_gpu`` per GPU seen here), and how that was counted."""
+    """How many workers train the packs (``per_gpu`` per GPU seen here; under
+    ``hydra/launcher=pack_slurm`` the tasks of its job), and how that was counted."""
     import torch
 
-    per_gpu = int(p.cfg.hydra.launcher.get("per_gpu", 1))
+    launcher = p.cfg.hydra.launcher
+    per_gpu = int(launcher.get("per_gpu", 1))
+    if "nodes" in launcher:  # pack_slurm: as PackSlurmLauncher.worker_count
+        nodes, node_gpus = int(launcher.nodes), int(launcher.gpus_per_node)
+        return nodes * per_gpu * max(1, node_gpus), (f"{per_gpu} per GPU x {node_gpus} GPUs per node x {nodes} "
+                                                     "node(s): the tasks of one SLURM job")
     gpus = torch.cuda.device_count()
     return per_gpu * max(1, gpus), (f"{per_gpu} per GPU x {gpus} GPUs" if gpus else
                                     f"{per_gpu} per GPU (no GPU here: counted for one)")
@@ -300,17 +309,20 @@ def projection(p: Preset, packs: list[list[Job]], path: Path = GPU_CHECK) -> str
 
 
 class TableProgress:
-    """A progress bar over a whole table: the runs the sweeps have recorded in their ledgers
-    (each sweep's, :func:`bnexp.app.sweep.ledger_file`), looked at every ``poll`` seconds, and
-    the time left at the rate of the runs trained so far (those skipped as finished before
-    do not count). With a terminal a tqdm bar on stderr; without one a plain line whenever
-    the count changed, at most every ``every`` seconds."""
+    """A progress bar over a whole table: the runs the running sweep has recorded in its
+    ledger (:func:`bnexp.app.sweep.ledger_file`), looked at every ``poll`` seconds, plus every
+    run of the sweeps that have ended (:meth:`sweep_ended`), and the time left at the rate of
+    the runs trained so far (those skipped as finished before do not count). With a terminal
+    a tqdm bar on stderr; without one a plain line whenever the count changed, at most every
+    ``every`` seconds."""
 
     def __init__(self, total: int, poll: float = 2.0, every: float = 60.0) -> None:
         self.total, self.poll, self.every = total, poll, every
-        self.seen: dict[str, str] = {}  # run directory -> status, over every ledger read
+        self.seen: dict[str, str] = {}  # run directory -> status, in the running sweep's ledger
+        self.ended, self.trained = 0, 0  # runs of the sweeps that ended, and those of them trained
         self.started = time.monotonic()
         self.printed, self.last = 0.0, 0
+        self.lock = threading.Lock()  # the watching thread and the sweeps' ends
         self.stop = threading.Event()
         self.bar = tqdm(total=total, desc="table", unit="run", disable=not sys.stderr.isatty(), dynamic_ncols=True)
         self.thread = threading.Thread(target=self.watch, daemon=True)
@@ -331,6 +343,15 @@ class TableProgress:
         self.bar.total = self.total
         self.bar.refresh()
 
+    def sweep_ended(self, runs: int) -> None:
+        """A sweep of ``runs`` runs has ended: all of them are done. Its report deleted its
+        ledger, whose last lines may not have been read: those runs count as trained."""
+        with self.lock:
+            self.ended += runs
+            self.trained += runs - sum(status == "skipped" for status in self.seen.values())
+            self.seen = {}
+        self.update()
+
     def watch(self) -> None:
         while not self.stop.wait(self.poll):
             self.update()
@@ -338,11 +359,11 @@ class TableProgress:
     def update(self, final: bool = False) -> None:
         """Read the running sweep's ledger, then move the bar or print a line."""
         ledger = ledger_file()
-        if ledger:
-            try:
-                lines = Path(ledger).read_text().splitlines()
-            except OSError:
-                lines = []
+        try:
+            lines = ledger.read_text().splitlines() if ledger else []
+        except OSError:
+            lines = []
+        with self.lock:
             for line in lines:
                 try:
                     entry = json.loads(line)
@@ -350,18 +371,18 @@ class TableProgress:
                     continue  # a line being written
                 if "dir" in entry:
                     self.seen[entry["dir"]] = entry["status"]
-        done = len(self.seen)
+            done, left = self.ended + len(self.seen), self.left()
         self.bar.n = done
-        self.bar.set_postfix_str(self.left(), refresh=True)
+        self.bar.set_postfix_str(left, refresh=True)
         now = time.monotonic()
         if self.bar.disable and done != self.last and (final or now - self.printed >= self.every):
             self.last, self.printed = done, now
-            print(f"reproduce: {done}/{self.total} runs done, {self.left()}", file=sys.stderr, flush=True)
+            print(f"reproduce: {done}/{self.total} runs done, {left}", file=sys.stderr, flush=True)
 
     def left(self) -> str:
         """The estimated time left, from the rate of the runs trained (not skipped) so far."""
-        trained = sum(status != "skipped" for status in self.seen.values())
-        todo = self.total - len(self.seen)
+        trained = self.trained + sum(status != "skipped" for status in self.seen.values())
+        todo = self.total - self.ended - len(self.seen)
         if not trained or todo <= 0:
             return "" if todo > 0 else "all done"
         seconds = (time.monotonic() - self.started) / trained * todo

@@ -118,7 +118,8 @@ class PackLauncher(BasicLauncher):
 
     def pack_size(self, config: DictConfig, runs: int) -> int:
         """The largest pack for the group of ``config``: ``trainer.pack`` (``auto``: measured
-        once per kind of run), or ``max_pack`` when it is 1."""
+        once per kind of run, for the ``per_gpu`` workers that share a device), or ``max_pack``
+        when it is 1."""
         pack = config.trainer.get("pack", 1)
         if pack != "auto":
             return self.max_pack if pack == 1 else int(pack)
@@ -127,7 +128,7 @@ class PackLauncher(BasicLauncher):
 
         kind = fingerprint(shared_settings(task_config(config)))
         if kind not in self.auto_sizes:
-            self.auto_sizes[kind], line = measured_pack(config, self.worker_count(visible_gpus()))
+            self.auto_sizes[kind], line = measured_pack(config, self.per_gpu)
             print(f"bnexp: {line}", flush=True)
         return min(self.auto_sizes[kind], runs)
 
