@@ -344,7 +344,8 @@ def test_two_cells_that_compute_the_same_run_are_each_counted(
         (run / ".hydra").mkdir()
         (run / ".hydra" / "overrides.yaml").write_text(f"- cbn_row={row}\n- norm.rho=1.0\n")
     copy_of(tmp_path / "r5", tmp_path / "old" / "r5")
+    recorded_run(tmp_path, "plain", 1, 91.0)  # no overrides.yaml: no value in their columns
     capsys.readouterr()
     frame = load_summaries(tmp_path)
-    assert sorted(frame["run_dir"]) == [str(tmp_path / "r4"), str(tmp_path / "r5")]
+    assert sorted(frame["run_dir"]) == [str(tmp_path / d) for d in ("plain", "r4", "r5")]
     assert f"took {tmp_path / 'r5'}, ignored {tmp_path / 'old' / 'r5'}\n" in capsys.readouterr().err

@@ -198,7 +198,7 @@ def copy_key(frame: pd.DataFrame) -> pd.Series:
     """What the copies of one run share: its :func:`run_identity` and its overrides (None for
     a run without an identity, which is never taken for a copy)."""
     given = sorted(c for c in frame.columns if c.startswith("overrides."))
-    settings = frame[given].astype(str).agg("|".join, axis=1) if given else ""
+    settings = frame[given].map(str).agg("|".join, axis=1) if given else ""  # NaN: a key the run was not given
     identity = frame["run_identity"]
     return (identity.fillna("").astype(str) + "|" + settings).where(identity.notna())
 
