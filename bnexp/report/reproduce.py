@@ -36,7 +36,8 @@ from tqdm import tqdm
 from bnexp.app.compose import hydra_session, is_group, parser
 from bnexp.app.sweep import Job, describe_jobs, distinct_packs, ledger_file, pack_groups
 from bnexp.app.train import multirun
-from bnexp.engine.pack import PER_RUN_KEYS, unpackable
+from bnexp.engine.identity import PER_RUN_KEYS
+from bnexp.engine.pack import unpackable
 from bnexp.report.presets import SEED, Preset, count, estimate, job_value, load_preset, parse_command, preset_overrides, steps_per_run
 from bnexp.report.results import load_summaries
 from bnexp.report.selection import best_choice, preset_runs, select, tuned_key
