@@ -5,6 +5,8 @@ no host value that changes from step to step (what a CUDA graph would bake in)."
 from __future__ import annotations
 
 import logging
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -259,6 +261,16 @@ def test_whole_step_compiles_to_one_graph_across_lr_changes(tmp_path: Path) -> N
     0.5 and 4 (AMAT, batch renormalization with its schedule, BN with 4 things and its pull
     toward 1 and 0, BNP, the frozen-run mask, SGD at the device's rates) traces no graph
     break, and one graph serves the warmup's rates and the milestone's."""
+    # In a process of its own: what tracing under trace_autograd_ops (a test-only setting) leaves
+    # behind breaks later compiles of an optimizer step in the same process, reset or not.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        rates, graphs = pool.submit(whole_step_compiled, str(tmp_path)).result()
+    assert len(set(rates)) >= 4 and graphs[1] == 1 and graphs[-1] == graphs[1]
+
+
+def whole_step_compiled(folder: str) -> tuple[list[float], list[int]]:
+    """The rates of 8 steps and the graphs dynamo made by each, its step compiled whole from
+    the second on (:func:`test_whole_step_compiles_to_one_graph_across_lr_changes`)."""
     from torch._dynamo.utils import counters
 
     cfg = compose_cfg([*PROTOCOL, "schedule.milestones=[5]"])
@@ -273,7 +285,7 @@ def test_whole_step_compiles_to_one_graph_across_lr_changes(tmp_path: Path) -> N
     model = pack_models(models)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_schedule(optimizer, cfg.schedule, STEPS_PER_EPOCH)
-    state = TrainState(cfg, tmp_path, CPU, model, optimizer, scheduler, STEPS_PER_EPOCH, STEPS)
+    state = TrainState(cfg, Path(folder), CPU, model, optimizer, scheduler, STEPS_PER_EPOCH, STEPS)
     freezer = FreezeDiverged(RUNS)
     callbacks = [AmatLearningRate(), BnpPreconditioner({"rho": 0.9, "eps1": 1e-2, "eps2": 1e-4}), freezer]
     for cb in callbacks:
@@ -293,8 +305,10 @@ def test_whole_step_compiles_to_one_graph_across_lr_changes(tmp_path: Path) -> N
             step.run()
             scheduler.step()
             state.step += 1
-            graphs.append(counters["stats"]["unique_graphs"])
-    assert len(set(rates)) >= 4 and graphs[1] == before + 1 and graphs[-1] == graphs[1]
+            graphs.append(counters["stats"]["unique_graphs"] - before)
+    return rates, graphs
+
+
 
 
 @pytest.mark.parametrize("sampling", ["shuffle", "with_replacement"])
