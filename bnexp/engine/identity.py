@@ -61,9 +61,12 @@ NEUTRAL_SINCE_ADDED: dict[str, Any] = {
 # before they existed). They stay in run names: an override of one is a choice on the
 # command line.
 LOOKUP_KEYS = ("lookup",)
-# The settings in which the runs of a pack may differ (bnexp.engine.pack): the seed, and rho,
-# which the normalization family reads from a per-channel buffer (NormFamily.rho_channels).
-PER_RUN_KEYS = ("trainer.seed", "norm.rho")
+# The settings in which the runs of a pack may differ (bnexp.engine.pack): the seed; rho,
+# which the normalization family reads from a per-channel buffer (NormFamily.rho_channels);
+# and the learning rates (RATE_KEYS) under one schedule shape, which SGD's device step takes
+# per run (bnexp.engine.optim.RunSchedules; other optimizers pack runs of one lr only).
+RATE_KEYS = ("optim.lr", "optim.lr_g", "optim.lr_w")
+PER_RUN_KEYS = ("trainer.seed", "norm.rho", *RATE_KEYS)
 # Group choices left out of the names of a sweep's cells (:func:`cell_name`) only: a preset
 # names its own sweep folder, and what either sets is in the config (so in the fingerprint).
 PRESET_KEYS = ("experiment", "scale")

@@ -1,9 +1,11 @@
-"""Packed runs (``trainer.pack``): the seeds of one cell, or of a row's rho grid, trained as one model.
+"""Packed runs (``trainer.pack``): the seeds of one cell, or of a row's rho or lr grid, trained as one model.
 
-K runs whose configs differ only in their :data:`PER_RUN_KEYS` (``trainer.seed`` and rho,
-``norm.rho``: CBN's rho, POP-Norm's kappa) are trained in one process as one packed model
-(:mod:`bnexp.models.packing`; each run's rho is a per-channel buffer of its channels, so a
-compiled graph reads it as an input): run ``k`` keeps its own initial weights (its
+K runs whose configs differ only in their :data:`PER_RUN_KEYS` (``trainer.seed``; rho,
+``norm.rho``: CBN's rho, POP-Norm's kappa; the learning rates ``optim.lr``, ``lr_g``,
+``lr_w``) are trained in one process as one packed model (:mod:`bnexp.models.packing`; each
+run's rho is a per-channel buffer of its channels, so a compiled graph reads it as an input;
+runs that differ in their lr each keep their own schedule, :class:`RunSchedules`, whose
+rates SGD's device step and adaptive AMAT take per run, under SGD only): run ``k`` keeps its own initial weights (its
 model is built right after seeding, as alone), its own batches (its own sampler stream and
 augmentation draws: its global random state is swapped in around its batches) and its own
 mean loss; the loss differentiated is the sum of the runs' losses, so each run's gradient
@@ -41,9 +43,9 @@ from bnexp.engine import checkpoint
 from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import Callback, TrainState
 from bnexp.engine.config import validate
-from bnexp.engine.identity import PER_RUN_KEYS, differences, fingerprint
+from bnexp.engine.identity import PER_RUN_KEYS, RATE_KEYS, differences, fingerprint
 from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
-from bnexp.engine.optim import build_optimizer, build_schedule
+from bnexp.engine.optim import RunSchedules, build_optimizer, build_schedule, group_rates
 from bnexp.engine.trainer import Member, Trainer, outcome_recorded, setup_summary, total_steps, training_loaders
 from bnexp.models import build_model
 from bnexp.models.packing import load_packed, pack_inputs, pack_models, pack_state, packed_losses, same_layers, unpack_state
@@ -108,6 +110,17 @@ def per_run_values(cfg: DictConfig) -> tuple[Any, ...]:
     return tuple(OmegaConf.select(cfg, key) for key in PER_RUN_KEYS)
 
 
+def rates(cfg: DictConfig) -> tuple[Any, ...]:
+    """The values of :data:`RATE_KEYS` in ``cfg``."""
+    return tuple(OmegaConf.select(cfg, key) for key in RATE_KEYS)
+
+
+def apart(cfg: DictConfig) -> tuple[Any, ...]:
+    """What runs of ``cfg``'s settings must also share to train as one pack: their learning
+    rates, unless the optimizer takes one per run (SGD's device step); empty then."""
+    return () if cfg.optim.name == "sgd" else rates(cfg)
+
+
 def shared_settings(cfg: DictConfig) -> dict[str, Any]:
     """``cfg`` resolved, without its :data:`PER_RUN_KEYS`: what every run of its pack shares."""
     tree = OmegaConf.to_container(cfg, resolve=True)
@@ -131,6 +144,10 @@ def check_pack(cfgs: Sequence[DictConfig]) -> None:
         if fingerprint(other) != fingerprint(common):
             raise ConfigError(f"{PACK_KEY}: the runs of a pack may differ in {' and '.join(PER_RUN_KEYS)} only; "
                               f"{differences(common, other)}")
+    if len({rates(c) for c in cfgs}) > 1 and first.optim.name != "sgd":
+        raise ConfigError(f"{PACK_KEY}: the runs of a pack may differ in their learning rates under optim=sgd only "
+                          f"(its step takes a rate per run); under optim={first.optim.name} "
+                          f"{', '.join(RATE_KEYS)} are {[rates(c) for c in cfgs]}")
     chosen = unpackable(first)
     if chosen:
         raise ConfigError(f"runs cannot train as a pack with {', '.join(chosen)} (a pack is one process whose probes, "
@@ -252,6 +269,24 @@ class PackTrainer(Trainer):
             if m.frozen:
                 self.freezer.freeze(self.state, m.index)
 
+    def member_lr(self, member: Member, lr: float) -> float:
+        rates = self.state.run_rates
+        return lr if rates is None else rates.last_lr(member.index)
+
+    def payloads(self) -> list[dict[str, Any]]:
+        """As alone (:meth:`Trainer.payloads`), each with its own run's rates."""
+        out = super().payloads()
+        if self.state.run_rates is not None:
+            for m, payload in zip(self.running(), out):
+                self.state.run_rates.into_payload(m.index, payload)
+        return out
+
+    def restore(self, payloads: list[dict[str, Any]]) -> None:
+        """As alone (:meth:`Trainer.restore`), each run's schedule from its own checkpoint."""
+        super().restore(payloads)
+        if self.state.run_rates is not None:
+            self.state.run_rates.restore(payloads, [m.status == "running" for m in self.members])
+
     def diverge(self, member: Member, lr: float) -> None:
         """As alone (:meth:`Trainer.diverge`), then the run's slot frozen: the others go on."""
         super().diverge(member, lr)
@@ -350,6 +385,9 @@ def fit_pack(members: list[PackMember]) -> None:
     scheduler = build_schedule(optimizer, cfg.schedule, steps_per_epoch)
     state = TrainState(cfg, members[0].run_dir, device, model, optimizer, scheduler, steps_per_epoch,
                        total_steps(cfg.trainer, steps_per_epoch), train_data=bundle.train)
+    run_rates = [group_rates(c.optim, len(optimizer.param_groups)) for c in cfgs]
+    if any(r != run_rates[0] for r in run_rates):
+        state.run_rates = RunSchedules(cfg.schedule, steps_per_epoch, run_rates)
     setup = dict(backends=backends, data_files=data_identity(cfg.data),
                  **setup_summary(bundle, models[0], device, loaders[0], one_process))
     for m in members:

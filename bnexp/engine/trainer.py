@@ -236,6 +236,10 @@ class Trainer:
             log.warning("no valid checkpoint in %s: starting over", member.run_dir)
         return None if found is None else [found]
 
+    def member_lr(self, member: Member, lr: float) -> float:
+        """The lr of ``member``'s last step, given the trainer's (a pack's runs may differ in it)."""
+        return lr
+
     def diverge(self, member: Member, lr: float) -> None:
         """``member``'s training loss is not finite: an evaluation row if it has none yet (its
         state as it diverged), its summary final now (rewritten with the wall time at the
@@ -320,7 +324,7 @@ class Trainer:
         for m, run_train, test in zip(self.members, train, tests):
             if m is not only and (only is not None or m.status != "running"):
                 continue
-            row = eval_row(s, lr, run_train, test, self.seconds())
+            row = eval_row(s, self.member_lr(m, lr), run_train, test, self.seconds())
             m.metrics.write(row)
             if only is None and row["test_acc"] > m.summary.get("best_top1", -math.inf):
                 improved.append(m.index)
@@ -508,6 +512,8 @@ def end_step(state: TrainState, callbacks: list[Callback], bar: tqdm) -> bool:
     averaging (under torchrun), the step count and the hooks' ``after_step``. Whether it was
     the last step."""
     state.scheduler.step()
+    if state.run_rates is not None:
+        state.run_rates.step()
     distributed.average_buffers(state.model)
     state.step += 1
     for cb in callbacks:

@@ -154,7 +154,9 @@ class NormFamily(ChannelNorm):
     def read_eta_from(self, eta: Tensor) -> None:
         """Adaptive AMAT: take eta from ``eta`` (this layer's dtype and device), which its owner
         updates in place (:func:`set_adaptive_eta`) before each training step, so that one
-        tensor at a fixed address serves every layer (what a CUDA graph needs)."""
+        tensor at a fixed address serves every layer (what a CUDA graph needs). In a packed
+        model whose K runs differ in their learning rate, ``eta`` holds K values, run ``k``'s
+        for its block of channels."""
         if self.amat and self.amat_eta is None:
             self.amat_eta_now = eta
             self._lr_known = True
@@ -254,6 +256,8 @@ class NormFamily(ChannelNorm):
     def _amat_new_weight(self) -> Tensor:
         """``1 - eta_k``, the weight of the current batch in eqs. (8)-(9); 1 on the first step."""
         eta = self.amat_eta_now if self.amat_eta is None else torch.full_like(self.amat_mean[0], self.amat_eta)
+        if eta.dim():  # one eta per run of a pack whose runs differ in their lr: each over its channels
+            eta = eta.repeat_interleave(self.num_features // len(eta))
         return 1.0 - torch.where(self.amat_steps == 0, 0.0, eta)
 
     def _amat_in_use(self, average: Tensor, updated: Tensor, batch: Tensor) -> Tensor:

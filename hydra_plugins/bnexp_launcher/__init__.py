@@ -102,10 +102,10 @@ class PackLauncher(BasicLauncher):
 
     def plan(self, job_overrides: Sequence[Sequence[str]], configs: list[DictConfig]) -> list[list[int]]:
         """The sweep's packs (positions of its jobs); a job that cannot be packed alone."""
-        from bnexp.engine.pack import per_run_values, unpackable
+        from bnexp.engine.pack import apart, per_run_values, unpackable
 
         packs = []
-        for group in pack_groups(job_overrides):
+        for group in pack_groups(job_overrides, apart=[apart(c) for c in configs]):
             reasons = unpackable(configs[group[0]])
             if reasons:
                 log.info("not packed (%s): %s", ", ".join(reasons), " ".join(job_overrides[group[0]]))

@@ -1,0 +1,213 @@
+"""Packs across learning rates (issue 36): runs that differ in optim.lr / lr_g / lr_w under one
+schedule shape train as one pack, each at its own rates (bnexp.engine.optim.RunSchedules),
+and compute what they compute alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from bnexp.engine.amp_compile import AmpCompileWrapper
+from bnexp.engine.callbacks import TrainState
+from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
+from bnexp.engine.optim import RunSchedules, build_optimizer, build_schedule, group_rates
+from bnexp.engine.pack import FreezeDiverged
+from bnexp.engine.step import TrainMeter, TrainStep
+from bnexp.engine.trainer import end_step
+from bnexp.models import DataSpec, build_model
+from bnexp.models.packing import pack_inputs, pack_models, packed_losses, unpack_state
+from bnexp.support.errors import ConfigError
+from bnexp.support.runinfo import seed_everything
+from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, run_cli
+from tests.test_step import same_bits
+
+CPU = torch.device("cpu")
+STEPS, STEPS_PER_EPOCH = 20, 8  # the table of rates filled at steps 0, 8 and 16
+SPEC = DataSpec(10, 3, 8)
+# momentum and weight decay, a 3-step linear warmup, the lr divided by 10 at step 10
+PROTOCOL = ["model=resnet20", "model.width=4", "optim.momentum=0.9", "optim.weight_decay=5e-4",
+            "schedule.unit=step", "schedule.milestones=[10]", "schedule.warmup=3", "schedule.warmup_mode=linear",
+            "trainer.device=cpu"]
+# CBN with adaptive AMAT (eta = max(1 - 10 lr, 0): 0.5, 0 and 0.9 at these rates before the
+# milestone) and BN whose scale-invariant weights take lr_w (Arora et al.'s grid)
+GRIDS = {"cbn": (["norm=cbn"], [["optim.lr=0.05"], ["optim.lr=0.2"], ["optim.lr=0.01"]]),
+         "bn_lr_w": (["norm=bn", "optim.lr=0.05"], [["optim.lr_w=0.05"], ["optim.lr_w=1.0"], ["optim.lr_w=0.01"]])}
+
+
+class Runs:
+    """Runs of ``base + own[k]`` trained together as one pack (one run: alone) by the engine's
+    step, each on its own :data:`STEPS` batches; the rates each run's step took."""
+
+    def __init__(self, base: list[str], own: list[list[str]], dtype: torch.dtype, tmp_path: Path,
+                 seeds: list[int]) -> None:
+        self.cfgs = [compose_cfg([*PROTOCOL, *base, *o]) for o in own]
+        models = []
+        for seed, cfg in zip(seeds, self.cfgs):
+            seed_everything(seed)
+            models.append(build_model(cfg.model, cfg.norm, cfg.act.name, SPEC).to(CPU, dtype))
+        self.runs = len(models)
+        self.model = pack_models(models) if self.runs > 1 else models[0]
+        cfg = self.cfgs[0]
+        optimizer = build_optimizer(self.model, cfg.optim)
+        scheduler = build_schedule(optimizer, cfg.schedule, STEPS_PER_EPOCH)
+        self.state = TrainState(cfg, tmp_path, CPU, self.model, optimizer, scheduler, STEPS_PER_EPOCH, STEPS)
+        rates = [group_rates(c.optim, len(optimizer.param_groups)) for c in self.cfgs]
+        if any(r != rates[0] for r in rates):
+            self.state.run_rates = RunSchedules(cfg.schedule, STEPS_PER_EPOCH, rates)
+        self.callbacks = [*(cb for cb in method_callbacks(cfg) if not isinstance(cb, WeightNormLog)),
+                          FreezeDiverged(self.runs)]
+        for cb in self.callbacks:
+            cb.on_train_start(self.state)
+        self.meter = TrainMeter(CPU, self.runs)
+        data = [batches(seed, dtype) for seed in seeds]
+        self.data = data[0] if self.runs == 1 else [
+            (pack_inputs([d[s][0] for d in data]), torch.stack([d[s][1] for d in data], 1)) for s in range(STEPS)]
+        self.rates: list[list[float]] = []  # per step: each run's group rates
+
+    def criterion(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return packed_losses(logits, y) if self.runs > 1 else nn.functional.cross_entropy(logits, y)
+
+    def train(self, steps: int = STEPS, step: TrainStep | None = None) -> TrainStep:
+        step = step or TrainStep(self.state, AmpCompileWrapper(self.model, CPU), self.meter, self.callbacks,
+                                 self.criterion, iter(self.data[self.state.step:]))
+        for _ in range(steps):
+            step.run()
+            self.rates.append(step.lr.tolist())
+            end_step(self.state, self.callbacks, _NoBar())
+        return step
+
+    def run_state(self, run: int) -> dict[str, torch.Tensor]:
+        """Run ``run``'s weights, buffers and momentum."""
+        model = self.model.state_dict()
+        momentum = {f"momentum.{i}": s["momentum_buffer"] for i, s in enumerate(self.state.optimizer.state.values())}
+        if self.runs == 1:
+            return {**model, **momentum}
+        return {**unpack_state(model, self.runs)[run], **unpack_state(momentum, self.runs)[run]}
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        """tqdm's update, unused here."""
+
+
+def batches(seed: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1000 + seed)
+    return [(torch.randn(8, 3, 8, 8, generator=g, dtype=dtype) * 2 + 0.5, torch.randint(10, (8,), generator=g))
+            for _ in range(STEPS)]
+
+
+def run_rates(runs: Runs, run: int) -> list[list[float]]:
+    """The group rates run ``run`` took at each step (a pack's are ``(groups, runs)``)."""
+    return [[group[run] if isinstance(group, list) else group for group in step] for step in runs.rates]
+
+
+@pytest.mark.parametrize("grid", list(GRIDS))
+def test_mixed_lr_pack_equals_runs_alone_in_float64(grid: str, tmp_path: Path) -> None:
+    """Each run of a pack across three learning rates equals the same run alone after 20 steps
+    crossing the warmup, a milestone and three epochs' tables, to below 1e-10 in float64
+    (the grouped kernels' rounding), and took exactly the rates its schedule alone gives."""
+    base, own = GRIDS[grid]
+    pack = Runs(base, own, torch.float64, tmp_path, [0, 1, 2])
+    pack.train()
+    for run in range(3):
+        alone = Runs(base, [own[run]], torch.float64, tmp_path, [run])
+        alone.train()
+        assert run_rates(pack, run) == run_rates(alone, 0)
+        a, b = pack.run_state(run), alone.run_state(0)
+        assert a.keys() == b.keys()
+        assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-10, (grid, run)
+    assert len({tuple(map(tuple, r)) for r in pack.rates}) > 4  # warmup, milestone, and the runs apart
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("grid", list(GRIDS))
+def test_run_of_a_mixed_lr_pack_is_bit_identical_to_its_lr_s_own_pack(grid: str, dtype: torch.dtype,
+                                                                      tmp_path: Path) -> None:
+    """The per-run rates compute what one rate for all computes, bit for bit: run 0 of a pack
+    at three learning rates is run 0 of the pack whose three runs all take run 0's."""
+    base, own = GRIDS[grid]
+    mixed = Runs(base, own, dtype, tmp_path, [0, 1, 2])
+    same = Runs(base, [own[0]] * 3, dtype, tmp_path, [0, 1, 2])
+    assert mixed.state.run_rates is not None and same.state.run_rates is None
+    mixed.train()
+    same.train()
+    a, b = mixed.run_state(0), same.run_state(0)
+    assert [k for k in a if not same_bits(a[k], b[k])] == []
+
+
+def test_a_mixed_lr_pack_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """Each run's checkpoint holds its own schedule and rates (what the run alone holds at that
+    step), and a pack restored from them after 10 steps ends as the pack never stopped."""
+    base, own = GRIDS["cbn"]
+    whole = Runs(base, own, torch.float32, tmp_path, [0, 1, 2])
+    whole.train()
+    first = Runs(base, own, torch.float32, tmp_path, [0, 1, 2])
+    step = first.train(10)
+    payloads = [{"optimizer": first.state.optimizer.state_dict(), "scheduler": first.state.scheduler.state_dict()}
+                for _ in range(3)]
+    for run, payload in enumerate(payloads):
+        first.state.run_rates.into_payload(run, payload)
+        alone = Runs(base, [own[run]], torch.float32, tmp_path, [run])
+        alone.train(10)
+        assert payload["scheduler"] == alone.state.scheduler.state_dict()
+        assert [g["lr"] for g in payload["optimizer"]["param_groups"]] == alone.state.group_lrs()
+    second = Runs(base, own, torch.float32, tmp_path, [0, 1, 2])
+    second.model.load_state_dict(first.model.state_dict())
+    second.state.optimizer.load_state_dict(payloads[0]["optimizer"])
+    second.state.scheduler.load_state_dict(payloads[0]["scheduler"])
+    second.state.run_rates.restore(payloads, [True] * 3)
+    for cb, theirs in zip(second.callbacks, first.callbacks):
+        cb.load_state_dict(theirs.state_dict())
+    second.state.step = 10
+    del step
+    second.train(10)
+    assert run_rates(second, 1) == run_rates(whole, 1)[10:]
+    a, b = second.run_state(1), whole.run_state(1)
+    assert [k for k in a if not same_bits(a[k], b[k])] == []
+
+
+def test_sweep_packs_across_lr_and_each_run_logs_its_own(tmp_path: Path, capsys) -> None:
+    """``bnexp train -m optim.lr=... hydra/launcher=pack``: one pack, each run's metrics.csv
+    with the lr column of the same run alone, and its fingerprint."""
+    from bnexp.engine.identity import fingerprint
+
+    run = [*TINY, "norm=cbn", "trainer.max_steps=6", "trainer.eval_every=3", "trainer.eval_unit=step",
+           "schedule.unit=step", "schedule.milestones=[4]"]
+    code, out = run_cli(["train", "-m", *run, "optim.lr=0.05,0.2", "hydra/launcher=pack",
+                         f"hydra.sweep.dir={tmp_path / 'sweep'}"], capsys)
+    assert code == 0, out
+    dirs = sorted(p for p in (tmp_path / "sweep").iterdir() if (p / "summary.json").is_file())
+    assert len(dirs) == 2
+    for run_dir in dirs:
+        summary = read_summary(run_dir)
+        lr = summary["config"]["optim"]["lr"]
+        assert summary["status"] == "completed" and len(summary["packed_with"]) == 1
+        assert summary["fingerprint"] == fingerprint(compose_cfg([*run, f"optim.lr={lr}"]))
+        code, _ = run_cli(["train", *run, f"optim.lr={lr}", f"hydra.run.dir={tmp_path / f'alone{lr}'}"], capsys)
+        assert code == 0
+        logged = [r["lr"] for r in read_metrics(run_dir / "metrics.csv")]
+        assert logged == [r["lr"] for r in read_metrics(tmp_path / f"alone{lr}" / "metrics.csv")]
+        saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+        alone = torch.load(tmp_path / f"alone{lr}" / "checkpoint.pt", weights_only=False)
+        assert saved["scheduler"] == alone["scheduler"]
+        assert ([g["lr"] for g in saved["optimizer"]["param_groups"]]
+                == [g["lr"] for g in alone["optimizer"]["param_groups"]])
+
+
+def test_runs_at_other_rates_pack_under_sgd_only() -> None:
+    """Adam reads its rates on the host: its runs at two rates are not one pack (the check
+    names the keys and the values), and the launcher keeps them apart."""
+    from bnexp.app.sweep import pack_groups
+    from bnexp.engine.pack import apart, check_pack
+
+    cfgs = [compose_cfg([*TINY, "optim=adam", f"optim.lr={lr}"]) for lr in (1e-3, 1e-2)]
+    with pytest.raises(ConfigError, match=r"under optim=sgd only .* \[\(0\.001, None, None\), \(0\.01, None, None\)\]"):
+        check_pack(cfgs)
+    jobs = [[f"optim.lr={lr}"] for lr in (1e-3, 1e-2)]
+    assert pack_groups(jobs, apart=[apart(c) for c in cfgs]) == [[0], [1]]
+    sgd = [compose_cfg([*TINY, f"optim.lr={lr}"]) for lr in (1e-3, 1e-2)]
+    check_pack(sgd)
+    assert pack_groups(jobs, apart=[apart(c) for c in sgd]) == [[0, 1]]
