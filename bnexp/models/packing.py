@@ -189,7 +189,7 @@ def common_layers(models: Sequence[nn.Module]) -> list[nn.Module]:
     difference = first_difference(out)
     if difference is not None:
         raise ConfigError(f"trainer.pack: the runs of a pack differ in {difference}, which the layer keeps as a "
-                          "constant: only runs that differ in their seed and in rho (norm.rho) train as one pack")
+                          "constant: only runs that differ in their seed, rho (norm.rho) and learning rates train as one pack")
     return out
 
 
