@@ -211,3 +211,56 @@ def test_runs_at_other_rates_pack_under_sgd_only() -> None:
     sgd = [compose_cfg([*TINY, f"optim.lr={lr}"]) for lr in (1e-3, 1e-2)]
     check_pack(sgd)
     assert pack_groups(jobs, apart=[apart(c) for c in sgd]) == [[0, 1]]
+
+
+def test_pack_conv_auto_keeps_the_faster_form_once_per_kind(tmp_path: Path, capsys, monkeypatch) -> None:
+    """``trainer.pack_conv=auto`` times both forms of the pack about to train and keeps the
+    faster (here made ``streams``, then ``grouped``), measures each kind of pack once per
+    process, records the form in each run's summary and says so in one line."""
+    from bnexp.engine import pack_size
+
+    measured: list[str] = []
+    faster = {"value": "streams"}
+
+    def timed(cfg, spec, runs, device, conv):
+        measured.append(conv)
+        return 1.0 if conv == faster["value"] else 2.0
+
+    monkeypatch.setattr(pack_size, "conv_seconds", timed)
+    monkeypatch.setattr(pack_size, "_conv_forms", {})
+    cfg = compose_cfg([*TINY, "norm=cbn", "trainer.pack_conv=auto"])
+    spec = DataSpec(10, 3, 8)
+    assert pack_size.conv_form(cfg, spec, 3, CPU) == "streams" and measured == ["grouped", "streams"]
+    assert pack_size.conv_form(cfg, spec, 3, CPU) == "streams" and len(measured) == 2  # measured once
+    faster["value"] = "grouped"
+    assert pack_size.conv_form(cfg, spec, 4, CPU) == "grouped" and len(measured) == 4  # another kind: K = 4
+    assert pack_size.conv_form(cfg, spec, 1, CPU) == "grouped" and len(measured) == 4  # a run alone: nothing to pack
+    plain = compose_cfg([*TINY, "norm=cbn", "trainer.pack_conv=streams"])
+    assert pack_size.conv_form(plain, spec, 3, CPU) == "streams" and len(measured) == 4  # a form given: kept
+    faster["value"] = "streams"
+    monkeypatch.setattr(pack_size, "_conv_forms", {})
+    code, out = run_cli(["train", *TINY, "norm=cbn", "trainer.max_steps=2", "trainer.pack=2", "trainer.pack_conv=auto",
+                         f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    assert code == 0, out
+    assert "trainer.pack_conv=auto: streams for packs of 2 resnet20 runs on cpu" in out
+    assert "2000.0 ms grouped, 1000.0 ms streams" in out
+    assert [read_summary(d)["pack_conv"] for d in (tmp_path / "run", tmp_path / "run-seed1")] == ["streams"] * 2
+
+
+def test_pack_conv_auto_measures_real_steps_of_both_forms(monkeypatch) -> None:
+    """Unpatched, the measurement trains real steps of both forms and picks the one it timed faster."""
+    from bnexp.engine import pack_size
+
+    seconds: dict[str, float] = {}
+    real = pack_size.conv_seconds
+
+    def recorded(cfg, spec, runs, device, conv):
+        seconds[conv] = real(cfg, spec, runs, device, conv)
+        return seconds[conv]
+
+    monkeypatch.setattr(pack_size, "conv_seconds", recorded)
+    monkeypatch.setattr(pack_size, "_conv_forms", {})
+    cfg = compose_cfg([*TINY, "norm=cbn", "trainer.pack_conv=auto"])
+    chosen = pack_size.conv_form(cfg, DataSpec(10, 3, 8), 2, CPU)
+    assert set(seconds) == {"grouped", "streams"} and all(s > 0 for s in seconds.values())
+    assert chosen == min(seconds, key=seconds.get)

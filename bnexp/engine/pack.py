@@ -46,6 +46,7 @@ from bnexp.engine.config import validate
 from bnexp.engine.identity import PER_RUN_KEYS, RATE_KEYS, differences, fingerprint
 from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
 from bnexp.engine.optim import RunSchedules, build_optimizer, build_schedule, group_rates
+from bnexp.engine.pack_size import conv_form
 from bnexp.engine.trainer import Member, Trainer, outcome_recorded, setup_summary, total_steps, training_loaders
 from bnexp.models import build_model
 from bnexp.models.packing import load_packed, pack_inputs, pack_models, pack_state, packed_losses, same_layers, unpack_state
@@ -324,8 +325,8 @@ class CompiledPack:
 _compiled: list[CompiledPack] = []  # at most one: a worker's graphs, kept for its next pack
 
 
-def packed_training(cfg: DictConfig, models: Sequence[nn.Module],
-                    device: torch.device) -> tuple[nn.Module, AmpCompileWrapper, torch.optim.Optimizer]:
+def packed_training(cfg: DictConfig, models: Sequence[nn.Module], device: torch.device,
+                    conv: str = GROUPED) -> tuple[nn.Module, AmpCompileWrapper, torch.optim.Optimizer]:
     """The packed model of ``models`` under the run's amp / channels_last / compile settings,
     and its optimizer. Compiled, the last pack's objects are reused when this pack has the
     same layers and settings: its runs' values are copied into them (:func:`load_packed`) and
@@ -335,9 +336,9 @@ def packed_training(cfg: DictConfig, models: Sequence[nn.Module],
     pack's first optimizer step is compiled, where a pack on new objects takes it eagerly (it
     creates the optimizer's state): the two differ in the rounding of that step, as compiled
     and eager steps do (docs/speed.md)."""
-    model = pack_models(models, str(cfg.trainer.get("pack_conv", GROUPED)))
+    model = pack_models(models, conv)
     settings = (OmegaConf.to_container(cfg.optim, resolve=True), str(cfg.trainer.get("amp")),
-                bool(cfg.trainer.get("channels_last")), str(device))
+                bool(cfg.trainer.get("channels_last")), str(device), conv)
     last = _compiled.pop() if _compiled else None
     if cfg.trainer.compile and last is not None and last.settings == settings and same_layers(last.model, model):
         load_packed(last.model, model)
@@ -379,8 +380,9 @@ def fit_pack(members: list[PackMember]) -> None:
     one_process = Dist()
     loaders = training_loaders(cfg, bundle, int(cfg.trainer.batch_size), [c.trainer.seed for c in cfgs], device,
                                one_process)
+    conv = conv_form(cfg, bundle.spec, len(members), device)  # trainer.pack_conv=auto measures, before seeding
     models = seeded_models(members, bundle.spec, device)
-    model, net, optimizer = packed_training(cfg, models, device)
+    model, net, optimizer = packed_training(cfg, models, device, conv)
     steps_per_epoch = loaders[0].steps_per_epoch
     scheduler = build_schedule(optimizer, cfg.schedule, steps_per_epoch)
     state = TrainState(cfg, members[0].run_dir, device, model, optimizer, scheduler, steps_per_epoch,
@@ -392,7 +394,7 @@ def fit_pack(members: list[PackMember]) -> None:
                  **setup_summary(bundle, models[0], device, loaders[0], one_process))
     for m in members:
         m.callbacks = [] if m.frozen else [WeightNormLog(m.run_dir, m.index, len(members))]
-        m.summary.update(setup, packed_with=[str(o.run_dir) for o in members if o is not m])
+        m.summary.update(setup, packed_with=[str(o.run_dir) for o in members if o is not m], pack_conv=conv)
     shared = [cb for cb in method_callbacks(cfg) if not isinstance(cb, WeightNormLog)]  # one for all runs
     PackTrainer(state, net, members, loaders, bundle.spec.num_classes, shared).run()
 

@@ -222,7 +222,7 @@ class TrainerKeys(TypedDict, total=False):
     nproc: Processes
     dist_timeout: at_most(float, 0, MAX_TIMEOUT, TIMEOUT_WHY, above_low=True)
     pack: Union[Processes, Literal["auto"]]
-    pack_conv: choice(PACK_CONVS)
+    pack_conv: choice((*PACK_CONVS, "auto"))
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)]
     device: choice(DEVICES)
     eval_every: Interval
