@@ -4,6 +4,7 @@ and compute what they compute alone."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -145,7 +146,7 @@ def test_a_mixed_lr_pack_resumes_bit_for_bit(tmp_path: Path) -> None:
     whole = Runs(base, own, torch.float32, tmp_path, [0, 1, 2])
     whole.train()
     first = Runs(base, own, torch.float32, tmp_path, [0, 1, 2])
-    step = first.train(10)
+    first.train(10)
     payloads = [{"optimizer": first.state.optimizer.state_dict(), "scheduler": first.state.scheduler.state_dict()}
                 for _ in range(3)]
     for run, payload in enumerate(payloads):
@@ -162,39 +163,100 @@ def test_a_mixed_lr_pack_resumes_bit_for_bit(tmp_path: Path) -> None:
     for cb, theirs in zip(second.callbacks, first.callbacks):
         cb.load_state_dict(theirs.state_dict())
     second.state.step = 10
-    del step
     second.train(10)
     assert run_rates(second, 1) == run_rates(whole, 1)[10:]
     a, b = second.run_state(1), whole.run_state(1)
     assert [k for k in a if not same_bits(a[k], b[k])] == []
 
 
-def test_sweep_packs_across_lr_and_each_run_logs_its_own(tmp_path: Path, capsys) -> None:
-    """``bnexp train -m optim.lr=... hydra/launcher=pack``: one pack, each run's metrics.csv
-    with the lr column of the same run alone, and its fingerprint."""
-    from bnexp.engine.identity import fingerprint
+def sweep(run: list[str], folder: Path, capsys) -> dict[float, Path]:
+    """``bnexp train -m RUN hydra/launcher=pack`` into ``folder``; each run's directory by its lr."""
+    code, out = run_cli(["train", "-m", *run, "hydra/launcher=pack", f"hydra.sweep.dir={folder}"], capsys)
+    assert code == 0, out
+    return {read_summary(d)["config"]["optim"]["lr"]: d for d in folder.iterdir() if (d / "summary.json").is_file()}
 
-    run = [*TINY, "norm=cbn", "trainer.max_steps=6", "trainer.eval_every=3", "trainer.eval_unit=step",
-           "schedule.unit=step", "schedule.milestones=[4]"]
-    code, out = run_cli(["train", "-m", *run, "optim.lr=0.05,0.2", "hydra/launcher=pack",
+
+def same_checkpoints(a: Path, b: Path) -> None:
+    """Two runs' final checkpoints: the same weights bit for bit, schedule state and group rates."""
+    x, y = (torch.load(d / "checkpoint.pt", weights_only=False) for d in (a, b))
+    assert [k for k in x["model"] if not same_bits(x["model"][k], y["model"][k])] == []
+    assert x["scheduler"] == y["scheduler"]
+    assert [g["lr"] for g in x["optimizer"]["param_groups"]] == [g["lr"] for g in y["optimizer"]["param_groups"]]
+
+
+def lr_column(run_dir: Path) -> list[str]:
+    return [r["lr"] for r in read_metrics(run_dir / "metrics.csv")]
+
+
+LR_SWEEP = [*TINY, "norm=cbn", "trainer.max_steps=6", "trainer.eval_every=1", "trainer.eval_unit=step",
+            "schedule.unit=step", "schedule.milestones=[4]", "trainer.checkpoint_every=2",
+            "trainer.checkpoint_unit=step", "optim.lr=0.05,0.2"]
+
+
+def test_lr_sweep_packs_resumes_and_each_run_is_its_own(tmp_path: Path, capsys, monkeypatch) -> None:
+    """``bnexp train -m ... optim.lr=0.05,0.2 hydra/launcher=pack``: one pack whose runs have
+    the fingerprints, lr columns, schedule states and group rates of the same runs alone. Cut
+    after its step-4 checkpoint, its lr=0.2 run resumed alone by a plain ``bnexp train`` ends
+    at its own rates, and the sweep run again resumes the pack, which ends bit for bit as the
+    pack never cut."""
+    from bnexp.engine.identity import fingerprint
+    from bnexp.engine.trainer import Trainer
+
+    alone_run = [o for o in LR_SWEEP if not o.startswith("optim.lr=")]
+    whole = sweep(LR_SWEEP, tmp_path / "whole", capsys)
+    assert sorted(whole) == [0.05, 0.2]
+    for lr, run_dir in whole.items():
+        summary = read_summary(run_dir)
+        assert summary["status"] == "completed" and summary["packed_with"] == [str(d) for d in whole.values() if d != run_dir]
+        assert summary["fingerprint"] == fingerprint(compose_cfg([*alone_run, f"optim.lr={lr}"]))
+        alone = tmp_path / f"alone{lr}"
+        assert run_cli(["train", *alone_run, f"optim.lr={lr}", f"hydra.run.dir={alone}"], capsys)[0] == 0
+        assert lr_column(run_dir) == lr_column(alone) and len(set(lr_column(run_dir))) == 2
+        x, y = (torch.load(d / "checkpoint.pt", weights_only=False) for d in (run_dir, alone))
+        assert x["scheduler"] == y["scheduler"]
+        assert [g["lr"] for g in x["optimizer"]["param_groups"]] == [g["lr"] for g in y["optimizer"]["param_groups"]]
+
+    def cut(self, lr):
+        raise RuntimeError("cut before the end")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "finish", cut)
+        run_cli(["train", "-m", *LR_SWEEP, "hydra/launcher=pack", f"hydra.sweep.dir={tmp_path / 'cut'}"], capsys)
+    cut_dirs = {read_summary(d)["config"]["optim"]["lr"]: d for d in (tmp_path / "cut").iterdir()
+                if (d / "summary.json").is_file()}
+    assert [read_summary(d)["status"] for d in cut_dirs.values()] == ["failed"] * 2
+    resumed_alone = tmp_path / "resumed-alone"
+    shutil.copytree(cut_dirs[0.2], resumed_alone)
+    assert run_cli(["train", *alone_run, "optim.lr=0.2", f"hydra.run.dir={resumed_alone}"], capsys)[0] == 0
+    assert "resumed_from" in read_summary(resumed_alone)
+    assert lr_column(resumed_alone) == lr_column(tmp_path / "alone0.2")
+    resumed = sweep(LR_SWEEP, tmp_path / "cut", capsys)
+    for lr in (0.05, 0.2):
+        assert read_summary(resumed[lr])["resumed_from"].endswith("step-000000004.pt")
+        assert lr_column(resumed[lr]) == lr_column(whole[lr])
+        same_checkpoints(resumed[lr], whole[lr])
+
+
+def test_lr_w_pack_logs_each_run_s_lr_w(tmp_path: Path, capsys) -> None:
+    """Arora's grid: a pack across ``optim.lr_w``; each run's weights.csv holds its own lr_w and
+    effective rates, those of the same run alone."""
+    run = [*TINY, "norm=bn", "optim.lr=0.1", "trainer.max_steps=4", "trainer.eval_every=2", "trainer.eval_unit=step",
+           "schedule.unit=step", "schedule.milestones=[2]"]
+    code, out = run_cli(["train", "-m", *run, "optim.lr_w=0.05,2.0", "hydra/launcher=pack",
                          f"hydra.sweep.dir={tmp_path / 'sweep'}"], capsys)
     assert code == 0, out
-    dirs = sorted(p for p in (tmp_path / "sweep").iterdir() if (p / "summary.json").is_file())
-    assert len(dirs) == 2
+    assert "lr_w 0.05: " in out and "lr_w 2.0: " in out  # the console names each run by its lr_w
+    dirs = [d for d in (tmp_path / "sweep").iterdir() if (d / "summary.json").is_file()]
+    assert len(dirs) == 2 and all(len(read_summary(d)["packed_with"]) == 1 for d in dirs)
+    logged = []
     for run_dir in dirs:
-        summary = read_summary(run_dir)
-        lr = summary["config"]["optim"]["lr"]
-        assert summary["status"] == "completed" and len(summary["packed_with"]) == 1
-        assert summary["fingerprint"] == fingerprint(compose_cfg([*run, f"optim.lr={lr}"]))
-        code, _ = run_cli(["train", *run, f"optim.lr={lr}", f"hydra.run.dir={tmp_path / f'alone{lr}'}"], capsys)
-        assert code == 0
-        logged = [r["lr"] for r in read_metrics(run_dir / "metrics.csv")]
-        assert logged == [r["lr"] for r in read_metrics(tmp_path / f"alone{lr}" / "metrics.csv")]
-        saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)
-        alone = torch.load(tmp_path / f"alone{lr}" / "checkpoint.pt", weights_only=False)
-        assert saved["scheduler"] == alone["scheduler"]
-        assert ([g["lr"] for g in saved["optimizer"]["param_groups"]]
-                == [g["lr"] for g in alone["optimizer"]["param_groups"]])
+        lr_w = read_summary(run_dir)["config"]["optim"]["lr_w"]
+        alone = tmp_path / f"alone{lr_w}"
+        assert run_cli(["train", *run, f"optim.lr_w={lr_w}", f"hydra.run.dir={alone}"], capsys)[0] == 0
+        packed, own = (read_metrics(d / "weights.csv") for d in (run_dir, alone))
+        logged.append([(r["step"], r["layer"], r["lr_w"]) for r in packed])
+        assert logged[-1] == [(r["step"], r["layer"], r["lr_w"]) for r in own]
+    assert logged[0] != logged[1]
 
 
 def test_runs_at_other_rates_pack_under_sgd_only() -> None:
@@ -263,4 +325,45 @@ def test_pack_conv_auto_measures_real_steps_of_both_forms(monkeypatch) -> None:
     cfg = compose_cfg([*TINY, "norm=cbn", "trainer.pack_conv=auto"])
     chosen = pack_size.conv_form(cfg, DataSpec(10, 3, 8), 2, CPU)
     assert set(seconds) == {"grouped", "streams"} and all(s > 0 for s in seconds.values())
-    assert chosen == min(seconds, key=seconds.get)
+    assert chosen in seconds and pack_size.conv_form(cfg, DataSpec(10, 3, 8), 2, CPU) == chosen and len(seconds) == 2
+
+
+def test_pack_conv_auto_keeps_the_form_a_resumed_pack_trained_with(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A pack cut after a checkpoint resumes with the form it trained with (recorded in its
+    checkpoints), whatever a new measurement would choose: a resume continues bit for bit."""
+    from bnexp.engine import pack_size
+    from bnexp.engine.trainer import Trainer
+
+    faster = {"value": "streams"}
+    monkeypatch.setattr(pack_size, "conv_seconds", lambda cfg, spec, runs, device, conv: 1.0 if conv == faster["value"] else 2.0)
+    monkeypatch.setattr(pack_size, "_conv_forms", {})
+    run = ["train", *TINY, "norm=cbn", "trainer.max_steps=4", "trainer.pack=2", "trainer.pack_conv=auto",
+           "trainer.checkpoint_every=2", "trainer.checkpoint_unit=step", f"hydra.run.dir={tmp_path / 'run'}"]
+
+    def cut(self, lr):
+        raise RuntimeError("cut before the end")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "finish", cut)
+        run_cli(run, capsys)
+    faster["value"] = "grouped"
+    monkeypatch.setattr(pack_size, "_conv_forms", {})
+    code, out = run_cli(run, capsys)
+    assert code == 0, out
+    assert "trainer.pack_conv=auto: streams, the form this pack trained with before it stopped" in out
+    assert [read_summary(d)["pack_conv"] for d in (tmp_path / "run", tmp_path / "run-seed1")] == ["streams"] * 2
+    assert read_summary(tmp_path / "run")["resumed_from"].endswith("step-000000002.pt")
+
+
+def test_claim_cells_and_the_reproduce_plan_group_rates_as_they_train() -> None:
+    """A claim's cells hold one rate each (its seeds pack, its rates do not: a cell is one
+    ``bnexp train -m``); ``bnexp reproduce``'s plan cuts a group by rate under Adam only."""
+    from bnexp.report.reproduce import rate_parts
+    from bnexp.studies.claims import CLAIMS, arm_cells
+
+    cells = arm_cells("arora", CLAIMS["arora"].arms[0], Path("out"), "full", [])
+    rates = [next(a for a in c.args if a.startswith("optim.lr_w=")) for c in cells]
+    assert len(cells) == 5 and len(set(rates)) == 5 and not any("," in r for r in rates)
+    jobs = [["optim.lr=1e-3", "trainer.seed=0"], ["optim.lr=1e-2", "trainer.seed=0"], ["optim.lr=1e-3", "trainer.seed=1"]]
+    assert rate_parts(jobs, [0, 1, 2], compose_cfg([*TINY, "optim=adam"])) == [[0, 2], [1]]
+    assert rate_parts(jobs, [0, 1, 2], compose_cfg(TINY)) == [[0, 1, 2]]

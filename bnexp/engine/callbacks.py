@@ -44,7 +44,8 @@ class TrainState:
     train_data: Optional[Dataset] = None  # the training set (probes draw batches from it); None in benches
     summary: dict = field(default_factory=dict)  # the run's summary.json so far (loggers mirror it at the end)
     # Each parameter group's lr of the coming step, float64 on the device, updated in place
-    # inside the engine's step (bnexp.engine.step.TrainStep); None outside it.
+    # inside the engine's step (bnexp.engine.step.TrainStep); None outside it. (groups, runs)
+    # in a pack whose runs differ in their lr (run_rates).
     device_lr: Optional[torch.Tensor] = None
     # A pack whose runs differ in their learning rates: each run's schedule (None otherwise)
     run_rates: Optional[RunSchedules] = None

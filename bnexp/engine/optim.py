@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Mapping, NamedTuple
 
 import torch
@@ -82,7 +81,8 @@ class DeviceGroup(NamedTuple):
 
 class DeviceLrSGD(SGD):
     """torch.optim.SGD with a second way to step, :meth:`device_step`, whose learning rates
-    come from a float64 tensor on the parameters' device (one per group, updated in place by
+    come from a float64 tensor on the parameters' device (one per group, or per group and run
+    of a packed model whose runs differ in their rates; updated in place by
     :class:`bnexp.engine.step.TrainStep`) instead of the groups' floats, so that the step can
     be compiled whole and captured in a CUDA graph (torch's SGD reads a tensor rate on the host
     with ``.item()``). :meth:`step` is torch's own."""
@@ -232,6 +232,8 @@ class RunSchedules:
         distinct = list(dict.fromkeys(tuple(r) for r in rates))
         self.index = [distinct.index(tuple(r)) for r in rates]  # each run's schedule
         self.optimizers = [SGD([{"params": [torch.zeros(0)], "lr": r} for r in group]) for group in distinct]
+        for o in self.optimizers:
+            o._opt_called = True  # type: ignore[attr-defined]  # as if stepped: no "scheduler before optimizer" warning
         self.schedules = [build_schedule(o, cfg, steps_per_epoch) for o in self.optimizers]
         self.last = self.current()
 
@@ -242,10 +244,8 @@ class RunSchedules:
     def step(self) -> None:
         """After a training step, as the pack's own schedule steps."""
         self.last = self.current()
-        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a stand-in never steps
-            warnings.simplefilter("ignore", UserWarning)
-            for schedule in self.schedules:
-                schedule.step()
+        for schedule in self.schedules:
+            schedule.step()
 
     def pairs(self) -> list[tuple[LRScheduler, Optimizer]]:
         """Each distinct schedule with its stand-in optimizer."""

@@ -50,7 +50,7 @@ from bnexp.engine.pack_size import conv_form
 from bnexp.engine.trainer import Member, Trainer, outcome_recorded, setup_summary, total_steps, training_loaders
 from bnexp.models import build_model
 from bnexp.models.packing import load_packed, pack_inputs, pack_models, pack_state, packed_losses, same_layers, unpack_state
-from bnexp.nn.packed import GROUPED
+from bnexp.nn.packed import AUTO_CONV, GROUPED, PACK_CONVS
 from bnexp.support.distributed import Dist
 from bnexp.support.errors import ConfigError
 from bnexp.support.runinfo import RunLogFile, configure_backends, resolve_device, seed_everything
@@ -275,10 +275,13 @@ class PackTrainer(Trainer):
         return lr if rates is None else rates.last_lr(member.index)
 
     def payloads(self) -> list[dict[str, Any]]:
-        """As alone (:meth:`Trainer.payloads`), each with its own run's rates."""
+        """As alone (:meth:`Trainer.payloads`), each with its own run's rates and the form of
+        the pack's convolutions (what a resume under ``trainer.pack_conv=auto`` keeps)."""
         out = super().payloads()
-        if self.state.run_rates is not None:
-            for m, payload in zip(self.running(), out):
+        for m, payload in zip(self.running(), out):
+            if "pack_conv" in m.summary:
+                payload["pack_conv"] = m.summary["pack_conv"]
+            if self.state.run_rates is not None:
                 self.state.run_rates.into_payload(m.index, payload)
         return out
 
@@ -337,12 +340,12 @@ def packed_training(cfg: DictConfig, models: Sequence[nn.Module], device: torch.
     creates the optimizer's state): the two differ in the rounding of that step, as compiled
     and eager steps do (docs/speed.md)."""
     model = pack_models(models, conv)
-    settings = (OmegaConf.to_container(cfg.optim, resolve=True), str(cfg.trainer.get("amp")),
-                bool(cfg.trainer.get("channels_last")), str(device), conv)
+    optim = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if f"optim.{k}" not in RATE_KEYS}
+    settings = (optim, str(cfg.trainer.get("amp")), bool(cfg.trainer.get("channels_last")), str(device), conv)
     last = _compiled.pop() if _compiled else None
     if cfg.trainer.compile and last is not None and last.settings == settings and same_layers(last.model, model):
         load_packed(last.model, model)
-        restart_optimizer(last.optimizer)
+        restart_optimizer(last.optimizer, group_rates(cfg.optim, len(last.optimizer.param_groups)))
         _compiled.append(last)
         return last.model, last.net, last.optimizer
     net = AmpCompileWrapper.from_config(model, device, cfg.trainer)
@@ -352,21 +355,43 @@ def packed_training(cfg: DictConfig, models: Sequence[nn.Module], device: torch.
     return model, net, optimizer
 
 
-def restart_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer`` as it starts a run: its state zeroed in place (SGD's first step with a
-    zero momentum buffer and Adam's with zero moments and step compute what they compute
-    without state) and each group's learning rate set back to the one it was built with."""
+def restart_optimizer(optimizer: torch.optim.Optimizer, rates: Sequence[float]) -> None:
+    """``optimizer`` as it starts a run at ``rates`` (each group's initial lr: a pack of other
+    learning rates reuses it too): its state zeroed in place (SGD's first step with a zero
+    momentum buffer and Adam's with zero moments and step compute what they compute without
+    state), each group's ``lr`` and ``initial_lr`` set to its rate (a schedule built on it
+    then starts from them)."""
     with torch.no_grad():
         for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     value.zero_()
-    for group in optimizer.param_groups:
-        if "initial_lr" in group:
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(group["initial_lr"])
-            else:
-                group["lr"] = group["initial_lr"]
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["initial_lr"] = rate
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(rate)
+        else:
+            group["lr"] = rate
+
+
+def resumed_conv(cfg: DictConfig, members: Sequence[PackMember]) -> str | None:
+    """Under ``trainer.pack_conv=auto``, the form of the convolutions a pack being resumed
+    was trained with, from its first running run's newest periodic checkpoint, so that it
+    continues bit for bit (a new measurement could choose the other form, which rounds
+    differently); None for a pack that starts, or a form not recorded."""
+    if str(cfg.trainer.get("pack_conv")) != AUTO_CONV or str(cfg.trainer.resume) != "auto":
+        return None
+    first = next((m for m in members if not m.frozen), None)
+    for path in checkpoint.periodic_checkpoints(first.run_dir) if first is not None else []:
+        try:
+            form = checkpoint.load(path).get("pack_conv")
+        except ValueError:
+            continue
+        if form in PACK_CONVS:
+            log.info("trainer.pack_conv=auto: %s, the form this pack trained with before it stopped", form)
+            return str(form)
+        return None
+    return None
 
 
 def fit_pack(members: list[PackMember]) -> None:
@@ -380,7 +405,7 @@ def fit_pack(members: list[PackMember]) -> None:
     one_process = Dist()
     loaders = training_loaders(cfg, bundle, int(cfg.trainer.batch_size), [c.trainer.seed for c in cfgs], device,
                                one_process)
-    conv = conv_form(cfg, bundle.spec, len(members), device)  # trainer.pack_conv=auto measures, before seeding
+    conv = resumed_conv(cfg, members) or conv_form(cfg, bundle.spec, len(members), device)  # before seeding
     models = seeded_models(members, bundle.spec, device)
     model, net, optimizer = packed_training(cfg, models, device, conv)
     steps_per_epoch = loaders[0].steps_per_epoch
@@ -394,7 +419,9 @@ def fit_pack(members: list[PackMember]) -> None:
                  **setup_summary(bundle, models[0], device, loaders[0], one_process))
     for m in members:
         m.callbacks = [] if m.frozen else [WeightNormLog(m.run_dir, m.index, len(members))]
-        m.summary.update(setup, packed_with=[str(o.run_dir) for o in members if o is not m], pack_conv=conv)
+        m.summary.update(setup, packed_with=[str(o.run_dir) for o in members if o is not m])
+        if str(cfg.trainer.get("pack_conv")) == AUTO_CONV:  # the form auto chose (a given one is in the config)
+            m.summary["pack_conv"] = conv
     shared = [cb for cb in method_callbacks(cfg) if not isinstance(cb, WeightNormLog)]  # one for all runs
     PackTrainer(state, net, members, loaders, bundle.spec.num_classes, shared).run()
 

@@ -20,7 +20,9 @@ the free memory is the kernel's estimate of what can be had without swapping
 ``trainer.pack_conv=auto`` times :data:`CONV_STEPS` eager training steps of the pack about
 to train (its model, K, batch, precision and memory layout, on its device) once with each
 form of :data:`bnexp.nn.packed.PACK_CONVS` and keeps the faster; a process measures each kind
-of pack once (:func:`conv_form`) and says what it measured in one line.
+of pack once (:func:`conv_form`) and says what it measured in one line. The steps are
+eager, outside a CUDA graph: the launches of ``streams``' K convolutions per layer, which a
+graph would remove, are counted (``bench table_cost`` measures the graphed forms).
 """
 
 from __future__ import annotations
@@ -40,19 +42,19 @@ from torch import nn
 from bnexp.data import build_data
 from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import Callback, TrainState
+from bnexp.engine.identity import PER_RUN_KEYS
 from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule
 from bnexp.engine.trainer import train_step
 from bnexp.models import DataSpec, build_model
 from bnexp.models.packing import pack_models, packed_losses
-from bnexp.nn.packed import GROUPED, PACK_CONVS
+from bnexp.nn.packed import AUTO_CONV, GROUPED, PACK_CONVS
 from bnexp.support.runinfo import resolve_device
 
 log = logging.getLogger("bnexp.engine.pack_size")
 
 MAX_AUTO_PACK = 60  # the largest pack auto picks: a CBN Table 1 row's rho grid x 10 seeds
 MEMORY_SHARE = 0.8  # of the free memory: the rest for the allocator's slack, cuDNN's workspaces, evaluation
-AUTO_CONV = "auto"  # trainer.pack_conv: measure the forms of PACK_CONVS and keep the faster
 CONV_STEPS = 3  # timed steps per form (after two untimed: the optimizer's state, cuDNN's choices)
 _conv_forms: dict[tuple[Any, ...], str] = {}  # this process's choices, by kind of pack
 
@@ -187,6 +189,9 @@ def conv_seconds(cfg: DictConfig, spec: DataSpec, runs: int, device: torch.devic
     seconds = (time.perf_counter() - started) / CONV_STEPS
     for cb in callbacks:
         cb.on_train_end(state, "completed")
+    del step, state, callbacks
+    if device.type == "cuda":  # blocks cached for the side streams serve no other stream: hand them back
+        torch.cuda.empty_cache()
     return seconds
 
 
@@ -197,9 +202,7 @@ def conv_form(cfg: DictConfig, spec: DataSpec, runs: int, device: torch.device) 
     setting = str(cfg.trainer.get("pack_conv", GROUPED))
     if setting != AUTO_CONV or runs == 1:
         return GROUPED if setting == AUTO_CONV else setting
-    kind = (json.dumps([OmegaConf.to_container(cfg.model, resolve=True), OmegaConf.to_container(cfg.norm, resolve=True),
-                        cfg.act.name, int(cfg.trainer.batch_size), str(cfg.trainer.get("amp")),
-                        bool(cfg.trainer.get("channels_last"))], sort_keys=True, default=str), spec, runs, str(device))
+    kind = (pack_kind(cfg), spec, runs, str(device))
     if kind not in _conv_forms:
         seconds = {form: conv_seconds(cfg, spec, runs, device, form) for form in PACK_CONVS}
         _conv_forms[kind] = min(PACK_CONVS, key=lambda form: seconds[form])
@@ -208,3 +211,16 @@ def conv_form(cfg: DictConfig, spec: DataSpec, runs: int, device: torch.device) 
                  bool(cfg.trainer.get("channels_last")),
                  ", ".join(f"{seconds[form] * 1e3:.1f} ms {form}" for form in PACK_CONVS))
     return _conv_forms[kind]
+
+
+def pack_kind(cfg: DictConfig) -> str:
+    """What decides a pack's step time besides K and the data's shapes: the model, norm, act,
+    batch, precision and memory layout, without the per-run settings (a pack of other rho or
+    seeds is the same kind)."""
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    for key in PER_RUN_KEYS:
+        section, _, name = key.rpartition(".")
+        tree.get(section, {}).pop(name, None)
+    trainer = tree["trainer"]
+    return json.dumps([tree["model"], tree["norm"], tree["act"], trainer["batch_size"], trainer.get("amp"),
+                       trainer.get("channels_last")], sort_keys=True, default=str)

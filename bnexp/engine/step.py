@@ -4,9 +4,10 @@
 ``AMPTrainer.run_step``): the learning rate of every parameter group, the step's position in
 its epoch, the pack's frozen-run mask and the training sums live on the device at fixed
 addresses and are updated there, so the step's work reads no device value on the host and
-bakes in no value that changes between steps. Its parts, in order: each group's lr read from
-a table of the epoch's rates (filled at the epoch's start from a copy of the run's schedule,
-:class:`LrAhead`), the batch (gathered on the device from the epoch's draws under
+bakes in no value that changes between steps. Its parts, in order: each group's lr (each
+run's, in a pack whose runs differ in it) read from a table of the epoch's rates (filled at
+the epoch's start from a copy of the run's schedule, or of each run's, :class:`LrAhead`), the
+batch (gathered on the device from the epoch's draws under
 ``data.loader=device``, :class:`bnexp.data.device.PackedEpochs`), the methods' in-step hooks
 (AMAT's eta from that lr, BNP's gradient rewrite, the frozen runs' gradients), forward, loss,
 backward, the optimizer's update (:class:`bnexp.engine.optim.DeviceLrSGD`), the training sums

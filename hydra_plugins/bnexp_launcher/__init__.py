@@ -1,9 +1,9 @@
 """bnexp's packing launchers (``hydra/launcher=pack``, ``hydra/launcher=pack_slurm``): a sweep
 trained as packs, by one process or by several workers per GPU.
 
-The jobs of a multirun that differ only in the keys a pack's runs may differ in (the seed
-and rho: :data:`bnexp.engine.identity.PER_RUN_KEYS`) are grouped
-(:func:`bnexp.app.sweep.pack_groups`) and cut into packs of distinct runs
+The jobs of a multirun that differ only in the keys a pack's runs may differ in (the seed,
+rho and the learning rates: :data:`bnexp.engine.identity.PER_RUN_KEYS`; the rates only under
+SGD, :func:`bnexp.engine.pack.apart`) are grouped (:func:`bnexp.app.sweep.pack_groups`) and cut into packs of distinct runs
 (:func:`bnexp.app.sweep.distinct_packs`) of at most ``trainer.pack`` runs: a number, or
 ``auto`` (measured: :mod:`bnexp.engine.pack_size`); the launcher's ``max_pack`` when
 ``trainer.pack`` is 1, its default. Each pack trains as one packed model
