@@ -18,6 +18,7 @@ from bnexp.nn.create_norm import Builder, register_norm
 from bnexp.support.distributed import world_size
 
 AMAT_OMEGA = 10.0  # CBN's omega: eta_k = max(1 - omega * lr_k, 0)
+ETA_BUFFER = "amat_eta_now"  # adaptive AMAT's eta of the coming step: set by the run's hook, not a layer's value
 AMAT_MEAN_GUARD = 1e-6  # |mu_B| below this: r_mu = 1 (no ratio through a vanishing mean)
 BEFORE_FORWARD = "before_forward"  # update mu_A, sigma_A^2 with the current batch, then normalize
 AFTER_FORWARD = "after_forward"  # normalize with the averages of earlier batches, then update them
@@ -120,7 +121,7 @@ class NormFamily(ChannelNorm):
             if amat_eta is None:
                 # eta of the coming step, from the lr that set_learning_rate hands in before each
                 # step (a buffer, so a changing lr costs no recompilation); not state.
-                self.register_buffer("amat_eta_now", torch.tensor(float("nan")), persistent=False)
+                self.register_buffer(ETA_BUFFER, torch.tensor(float("nan")), persistent=False)
                 self._lr_known = False
         else:
             self.register_buffer("running_mean", torch.zeros(num_features))
