@@ -244,7 +244,7 @@ def test_the_lock_of_a_killed_process_not_yet_reaped_is_stale(tmp_path: Path) ->
 
 def test_bad_pack_settings_are_refused_before_anything_is_written(tmp_path: Path, capsys) -> None:
     code, out = run_cli(["train", *TINY, "trainer.pack_conv=stripes", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
-    assert code == 2 and "unknown trainer.pack_conv 'stripes'; valid choices: grouped, streams" in out
+    assert code == 2 and "unknown trainer.pack_conv 'stripes'; valid choices: auto, grouped, streams" in out
     code, out = run_cli(["train", "-m", *SWEEP, "trainer.seed=0,1", "hydra.launcher.per_gpu=0",
                          f"hydra.sweep.dir={tmp_path / 'sweep'}"], capsys)
     assert code != 0 and "hydra.launcher.per_gpu=0 is not valid: use an integer >= 1" in out

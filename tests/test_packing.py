@@ -797,12 +797,16 @@ def test_runs_that_differ_in_a_constant_of_a_layer_do_not_pack() -> None:
 
 
 @pytest.mark.slow
-def test_a_worker_s_next_pack_of_other_rho_compiles_nothing_new(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("key,values,others", [("norm.rho", (0.5, 2.0, 4.0), (1.0, 0.25, 8.0)),
+                                               ("optim.lr", (0.05, 0.1, 0.2), (0.01, 0.3, 0.02))])
+def test_a_worker_s_next_pack_of_other_rho_compiles_nothing_new(key: str, values, others, tmp_path: Path,
+                                                                monkeypatch) -> None:
     """``trainer.compile``: a process that trains pack after pack (a worker) keeps the first
     pack's model, wrapper and optimizer for the next pack of the same layers. Packs of other rho
-    values and seeds then run through the graphs dynamo traced for the first (its counters do
-    not move: rho is a tensor the graph reads), and nothing of one pack reaches the next: the
-    same pack trained after a pack of other rho and again after itself is bit-identical.
+    values (or learning rates) and seeds then run through the graphs dynamo traced for the
+    first (its counters do not move: rho and the rates are tensors the graphs read), and
+    nothing of one pack reaches the next: the same pack trained after a pack of other values
+    and again after itself is bit-identical.
     (Dynamo traces with its eager backend here: what is traced is what counts, and inductor
     would only add minutes of CPU codegen.)"""
     from torch._dynamo.utils import counters
@@ -817,19 +821,19 @@ def test_a_worker_s_next_pack_of_other_rho_compiles_nothing_new(tmp_path: Path, 
     counters.clear()
 
     def pack(rhos, seeds, name: str) -> list[Path]:
-        cfgs = [compose_cfg([*PACK_RUN, "trainer.compile=true", f"norm.rho={rho}", f"trainer.seed={seed}"])
+        cfgs = [compose_cfg([*PACK_RUN, "trainer.compile=true", f"{key}={rho}", f"trainer.seed={seed}"])
                 for rho, seed in zip(rhos, seeds)]
         dirs = [tmp_path / name / str(i) for i in range(len(cfgs))]
         assert all(s["status"] == "completed" for s in train_pack(cfgs, dirs))
         return dirs
 
-    pack((0.5, 2.0, 4.0), (3, 4, 5), "first")
+    pack(values, (3, 4, 5), "first")
     traced = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
     assert traced[0] > 0
     model = pack_module._compiled[0].model
-    pack((1.0, 0.25, 8.0), (0, 1, 2), "other")
-    after_other = pack((0.5, 2.0, 4.0), (3, 4, 5), "after-other")
-    after_itself = pack((0.5, 2.0, 4.0), (3, 4, 5), "after-itself")
+    pack(others, (0, 1, 2), "other")
+    after_other = pack(values, (3, 4, 5), "after-other")
+    after_itself = pack(values, (3, 4, 5), "after-itself")
     assert (counters["stats"]["unique_graphs"], counters["frames"]["total"]) == traced
     assert pack_module._compiled[0].model is model
     for a, b in zip(after_other, after_itself):

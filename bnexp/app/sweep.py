@@ -272,15 +272,18 @@ def config_problem(run_dir: Path, cfg: DictConfig) -> str:
     return ""
 
 
-def pack_groups(job_overrides: Sequence[Sequence[str]], per_run: Sequence[str] = PER_RUN_KEYS) -> list[list[int]]:
+def pack_groups(job_overrides: Sequence[Sequence[str]], per_run: Sequence[str] = PER_RUN_KEYS,
+                apart: Optional[Sequence[Hashable]] = None) -> list[list[int]]:
     """The indices of a sweep's jobs grouped by everything but the ``per_run`` keys (those in
-    which the runs of a pack may differ: the seed and rho), in the order the jobs come. The
-    jobs of a group have the same model, shapes, data, schedule and norm; what else their
-    layers hold is checked as each pack is built (:func:`bnexp.models.packing.common_layers`)."""
-    groups: dict[tuple[str, ...], list[int]] = {}
+    which the runs of a pack may differ: the seed, rho and the learning rates) and by their
+    ``apart`` values (one per job: what its runs must share besides, e.g. the learning rates
+    of an optimizer that takes no rate per run), in the order the jobs come. The jobs of a
+    group have the same model, shapes, data, schedule and norm; what else their layers hold
+    is checked as each pack is built (:func:`bnexp.models.packing.common_layers`)."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
     for i, overrides in enumerate(job_overrides):
         key = tuple(sorted(o for o in overrides if override_key(o) not in per_run))
-        groups.setdefault(key, []).append(i)
+        groups.setdefault((key, None if apart is None else apart[i]), []).append(i)
     return list(groups.values())
 
 

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
+from bnexp.engine.optim import RunSchedules
 from bnexp.support.distributed import Dist
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,11 @@ class TrainState:
     train_data: Optional[Dataset] = None  # the training set (probes draw batches from it); None in benches
     summary: dict = field(default_factory=dict)  # the run's summary.json so far (loggers mirror it at the end)
     # Each parameter group's lr of the coming step, float64 on the device, updated in place
-    # inside the engine's step (bnexp.engine.step.TrainStep); None outside it.
+    # inside the engine's step (bnexp.engine.step.TrainStep); None outside it. (groups, runs)
+    # in a pack whose runs differ in their lr (run_rates).
     device_lr: Optional[torch.Tensor] = None
+    # A pack whose runs differ in their learning rates: each run's schedule (None otherwise)
+    run_rates: Optional[RunSchedules] = None
 
     @property
     def epoch(self) -> float:
@@ -53,6 +57,12 @@ class TrainState:
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])  # a 0-d tensor under trainer.compile
+
+    def group_lrs(self, run: int = 0) -> list[float]:
+        """Each parameter group's lr now, run ``run``'s in a pack whose runs differ in it."""
+        if self.run_rates is not None:
+            return self.run_rates.group_lrs(run)
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
 
 
 class Callback:

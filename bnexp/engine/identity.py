@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +61,12 @@ NEUTRAL_SINCE_ADDED: dict[str, Any] = {
 # before they existed). They stay in run names: an override of one is a choice on the
 # command line.
 LOOKUP_KEYS = ("lookup",)
-# The settings in which the runs of a pack may differ (bnexp.engine.pack): the seed, and rho,
-# which the normalization family reads from a per-channel buffer (NormFamily.rho_channels).
-PER_RUN_KEYS = ("trainer.seed", "norm.rho")
+# The settings in which the runs of a pack may differ (bnexp.engine.pack): the seed; rho,
+# which the normalization family reads from a per-channel buffer (NormFamily.rho_channels);
+# and the learning rates (RATE_KEYS) under one schedule shape, which SGD's device step takes
+# per run (bnexp.engine.optim.RunSchedules; other optimizers pack runs of one lr only).
+RATE_KEYS = ("optim.lr", "optim.lr_g", "optim.lr_w")
+PER_RUN_KEYS = ("trainer.seed", "norm.rho", *RATE_KEYS)
 # Group choices left out of the names of a sweep's cells (:func:`cell_name`) only: a preset
 # names its own sweep folder, and what either sets is in the config (so in the fingerprint).
 PRESET_KEYS = ("experiment", "scale")
@@ -85,6 +88,15 @@ def _left_out(key: str) -> bool:
     """Whether :func:`result_config` leaves ``key`` out (a non-result or lookup key), once per
     key: a table reads the same few hundred keys in every one of its runs."""
     return _covered(key, NON_RESULT_KEYS + LOOKUP_KEYS)
+
+
+def run_labels(cfgs: Sequence[DictConfig]) -> list[str]:
+    """The console's label of each run of a pack: the per-run settings in which its runs
+    differ (``seed 3: ``, ``lr 0.05: ``, ``seed 0 rho 2.0: ``); empty for a run alone."""
+    if len(cfgs) < 2:
+        return [""] * len(cfgs)
+    keys = [k for k in PER_RUN_KEYS if len({str(OmegaConf.select(c, k)) for c in cfgs}) > 1] or [PER_RUN_KEYS[0]]
+    return [" ".join(f"{key.rpartition('.')[2]} {OmegaConf.select(c, key)}" for key in keys) + ": " for c in cfgs]
 
 
 def is_non_result(key: str) -> bool:

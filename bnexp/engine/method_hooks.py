@@ -39,7 +39,9 @@ class AmatLearningRate(Callback):
         if state.device_lr is not None:
             adaptive = [m for m in self.layers if m.amat_eta is None]
             if adaptive and self.eta is None:
-                self.eta = torch.zeros((), dtype=adaptive[0].amat_mean.dtype, device=state.device_lr.device)
+                # one eta per run in a pack whose runs differ in their lr (device_lr: groups x runs)
+                self.eta = torch.zeros(state.device_lr[0].shape, dtype=adaptive[0].amat_mean.dtype,
+                                       device=state.device_lr.device)
                 for m in adaptive:
                     m.read_eta_from(self.eta)
             if self.eta is not None:
@@ -92,7 +94,8 @@ class WeightNormLog(Callback):
         self.writer = MetricsWriter(run_dir / "weights.csv", enabled=state.dist.is_main)
 
     def on_eval(self, state: TrainState, row: dict[str, Any]) -> None:
-        for name, norm, lr_w, (low, median, high) in weight_norms(self.weights, state.optimizer, self.run, self.runs):
+        for name, norm, lr_w, (low, median, high) in weight_norms(self.weights, state.optimizer, self.run, self.runs,
+                                                                     state.group_lrs(self.run)):
             self.writer.write({"step": state.step, "epoch": row["epoch"], "layer": name, "weight_norm": norm,
                                "lr_w": lr_w, "effective_lr": lr_w / norm**2, "filter_effective_lr_min": low,
                                "filter_effective_lr_median": median, "filter_effective_lr_max": high})

@@ -32,7 +32,7 @@ def build_optimizer(model: nn.Module, cfg: Mapping[str, Any]) -> Optimizer:
     """
     if cfg["name"] not in OPTIMIZERS:
         raise unknown_choice("optim.name", cfg["name"], OPTIMIZERS)
-    lr_g, lr_w = (cfg["lr"] if cfg.get(key) is None else cfg[key] for key in ("lr_g", "lr_w"))
+    lr_g, lr_w = base_rates(cfg)
     wd_g, wd_w = (cfg.get("weight_decay", 0.0) if cfg.get(key) is None else cfg[key] for key in ("wd_g", "wd_w"))
     groups = parameter_groups(model, lr_g, lr_w, wd_g, wd_w)
     if not groups[1]["params"]:
@@ -53,6 +53,20 @@ def build_optimizer(model: nn.Module, cfg: Mapping[str, Any]) -> Optimizer:
     return optimizer
 
 
+def base_rates(cfg: Mapping[str, Any]) -> tuple[float, float]:
+    """``(lr_g, lr_w)`` of an ``optim`` config: each its own key, ``optim.lr`` where it is unset."""
+    lr_g, lr_w = (cfg["lr"] if cfg.get(key) is None else cfg[key] for key in ("lr_g", "lr_w"))
+    return lr_g, lr_w
+
+
+def group_rates(cfg: Mapping[str, Any], groups: int) -> list[float]:
+    """The initial lr of each of the ``groups`` parameter groups :func:`build_optimizer` makes
+    under ``cfg``: group 1 holds the scale-invariant weights (``lr_w``), every other group
+    ``lr_g`` (group 0 and BN-with-4-things' groups, made from group 0)."""
+    lr_g, lr_w = base_rates(cfg)
+    return [float(lr_w if i == 1 else lr_g) for i in range(groups)]
+
+
 class DeviceGroup(NamedTuple):
     """The settings of one parameter group that :meth:`DeviceLrSGD.device_step` reads."""
 
@@ -67,7 +81,8 @@ class DeviceGroup(NamedTuple):
 
 class DeviceLrSGD(SGD):
     """torch.optim.SGD with a second way to step, :meth:`device_step`, whose learning rates
-    come from a float64 tensor on the parameters' device (one per group, updated in place by
+    come from a float64 tensor on the parameters' device (one per group, or per group and run
+    of a packed model whose runs differ in their rates; updated in place by
     :class:`bnexp.engine.step.TrainStep`) instead of the groups' floats, so that the step can
     be compiled whole and captured in a CUDA graph (torch's SGD reads a tensor rate on the host
     with ``.item()``). :meth:`step` is torch's own."""
@@ -87,8 +102,11 @@ class DeviceLrSGD(SGD):
         (this step does not go through ``step``'s hooks): decay and momentum as multi-tensor
         calls of the same operations, the update as ``param.addcmul_(d_p, lr, value=-1)``, which
         on the CPU rounds as torch's ``param.add_(d_p, alpha=-lr)`` does (once; ``d_p * lr``
-        formed first would round twice). Tells the lr schedule that the optimizer stepped, as
-        the wrapper it puts around ``step`` does."""
+        formed first would round twice). ``lr`` of shape ``(groups, K)`` gives each of the K
+        runs of a packed model its own rate (run ``k`` owns the ``k``-th of K blocks of every
+        parameter along dim 0, :mod:`bnexp.models.packing`): the same multiplication per
+        element. Tells the lr schedule that the optimizer stepped, as the wrapper it puts
+        around ``step`` does."""
         with torch.no_grad():
             for group, rate in zip(self.device_groups, lr.unbind()):
                 params = [p for p in group.params if p.grad is not None]
@@ -113,8 +131,13 @@ class DeviceLrSGD(SGD):
                     s["momentum_buffer"] = g.detach().clone()
             bufs = [s["momentum_buffer"] for s in states]
             grads = torch._foreach_add(grads, bufs, alpha=group.momentum) if group.nesterov else bufs
-        for p, d_p in zip(params, grads):
-            p.addcmul_(d_p, lr, value=-1)
+        if lr.dim() == 0:
+            for p, d_p in zip(params, grads):
+                p.addcmul_(d_p, lr, value=-1)
+            return
+        runs = len(lr)
+        for p, d_p in zip(params, grads):  # each run's block of p at its own rate (any memory layout)
+            p.unflatten(0, (runs, -1)).addcmul_(d_p.unflatten(0, (runs, -1)), lr.view(runs, *[1] * p.dim()), value=-1)
 
 
 def affine_decay_groups(model: nn.Module, rest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -194,3 +217,63 @@ def build_schedule(optimizer: Optimizer, cfg: Mapping[str, Any], steps_per_epoch
         else:
             parts.append(LinearLR(optimizer, start_factor=factor, total_iters=warmup))
     return parts[0] if len(parts) == 1 else ChainedScheduler(parts, optimizer)
+
+
+class RunSchedules:
+    """The lr schedules of the runs of a pack whose runs differ in ``optim.lr`` / ``lr_g`` /
+    ``lr_w`` with one schedule shape (:data:`bnexp.engine.identity.PER_RUN_KEYS`): one schedule
+    per distinct set of initial rates, each over a stand-in optimizer with those rates (its
+    groups hold no parameters), built and stepped as that run's schedule alone is, so its
+    rates are the floats the run alone has. The pack's optimizer and schedule keep its first
+    run's; :class:`bnexp.engine.step.TrainStep` gives SGD each run's rates (``device_step``),
+    and each run's checkpoint holds its own (:meth:`into_payload`)."""
+
+    def __init__(self, cfg: Mapping[str, Any], steps_per_epoch: int, rates: list[list[float]]) -> None:
+        distinct = list(dict.fromkeys(tuple(r) for r in rates))
+        self.index = [distinct.index(tuple(r)) for r in rates]  # each run's schedule
+        self.optimizers = [SGD([{"params": [torch.zeros(0)], "lr": r} for r in group]) for group in distinct]
+        for o in self.optimizers:
+            o._opt_called = True  # type: ignore[attr-defined]  # as if stepped: no "scheduler before optimizer" warning
+        self.schedules = [build_schedule(o, cfg, steps_per_epoch) for o in self.optimizers]
+        self.last = self.current()
+
+    def current(self) -> list[float]:
+        """Group 0's lr of each schedule now."""
+        return [float(o.param_groups[0]["lr"]) for o in self.optimizers]
+
+    def step(self) -> None:
+        """After a training step, as the pack's own schedule steps."""
+        self.last = self.current()
+        for schedule in self.schedules:
+            schedule.step()
+
+    def pairs(self) -> list[tuple[LRScheduler, Optimizer]]:
+        """Each distinct schedule with its stand-in optimizer."""
+        return list(zip(self.schedules, self.optimizers))
+
+    def group_lrs(self, run: int) -> list[float]:
+        """Run ``run``'s lr of each parameter group now (the coming step's)."""
+        return [float(g["lr"]) for g in self.optimizers[self.index[run]].param_groups]
+
+    def last_lr(self, run: int) -> float:
+        """Run ``run``'s group-0 lr of the step just taken (its current one before any)."""
+        return self.last[self.index[run]]
+
+    def into_payload(self, run: int, payload: dict[str, Any]) -> None:
+        """Run ``run``'s rates into its checkpoint (made from the pack's): its schedule's state
+        and its groups' ``lr`` and ``initial_lr``, as the run alone would hold them."""
+        own = self.optimizers[self.index[run]].param_groups
+        payload["scheduler"] = self.schedules[self.index[run]].state_dict()
+        payload["optimizer"] = {**payload["optimizer"], "param_groups": [
+            {**g, "lr": mine["lr"], "initial_lr": mine["initial_lr"]}
+            for g, mine in zip(payload["optimizer"]["param_groups"], own)]}
+
+    def restore(self, payloads: list[dict[str, Any]], running: list[bool]) -> None:
+        """Each schedule from the checkpoint of a run it serves (a running one where there is)."""
+        for i, (schedule, optimizer) in enumerate(self.pairs()):
+            runs = [k for k, j in enumerate(self.index) if j == i]
+            k = next((k for k in runs if running[k]), runs[0])
+            schedule.load_state_dict(payloads[k]["scheduler"])
+            for g, saved in zip(optimizer.param_groups, payloads[k]["optimizer"]["param_groups"]):
+                g["lr"], g["initial_lr"] = float(saved["lr"]), float(saved["initial_lr"])
+        self.last = self.current()

@@ -1,9 +1,11 @@
-"""Packed runs (``trainer.pack``): the seeds of one cell, or of a row's rho grid, trained as one model.
+"""Packed runs (``trainer.pack``): the seeds of one cell, or of a row's rho or lr grid, trained as one model.
 
-K runs whose configs differ only in their :data:`PER_RUN_KEYS` (``trainer.seed`` and rho,
-``norm.rho``: CBN's rho, POP-Norm's kappa) are trained in one process as one packed model
-(:mod:`bnexp.models.packing`; each run's rho is a per-channel buffer of its channels, so a
-compiled graph reads it as an input): run ``k`` keeps its own initial weights (its
+K runs whose configs differ only in their :data:`PER_RUN_KEYS` (``trainer.seed``; rho,
+``norm.rho``: CBN's rho, POP-Norm's kappa; the learning rates ``optim.lr``, ``lr_g``,
+``lr_w``) are trained in one process as one packed model (:mod:`bnexp.models.packing`; each
+run's rho is a per-channel buffer of its channels, so a compiled graph reads it as an input;
+runs that differ in their lr each keep their own schedule, :class:`RunSchedules`, whose
+rates SGD's device step and adaptive AMAT take per run, under SGD only): run ``k`` keeps its own initial weights (its
 model is built right after seeding, as alone), its own batches (its own sampler stream and
 augmentation draws: its global random state is swapped in around its batches) and its own
 mean loss; the loss differentiated is the sum of the runs' losses, so each run's gradient
@@ -41,13 +43,14 @@ from bnexp.engine import checkpoint
 from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import Callback, TrainState
 from bnexp.engine.config import validate
-from bnexp.engine.identity import PER_RUN_KEYS, differences, fingerprint
+from bnexp.engine.identity import PER_RUN_KEYS, RATE_KEYS, differences, fingerprint
 from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
-from bnexp.engine.optim import build_optimizer, build_schedule
+from bnexp.engine.optim import RunSchedules, build_optimizer, build_schedule, group_rates
+from bnexp.engine.pack_size import conv_form
 from bnexp.engine.trainer import Member, Trainer, outcome_recorded, setup_summary, total_steps, training_loaders
 from bnexp.models import build_model
 from bnexp.models.packing import load_packed, pack_inputs, pack_models, pack_state, packed_losses, same_layers, unpack_state
-from bnexp.nn.packed import GROUPED
+from bnexp.nn.packed import AUTO_CONV, GROUPED, PACK_CONVS
 from bnexp.support.distributed import Dist
 from bnexp.support.errors import ConfigError
 from bnexp.support.runinfo import RunLogFile, configure_backends, resolve_device, seed_everything
@@ -108,6 +111,17 @@ def per_run_values(cfg: DictConfig) -> tuple[Any, ...]:
     return tuple(OmegaConf.select(cfg, key) for key in PER_RUN_KEYS)
 
 
+def rates(cfg: DictConfig) -> tuple[Any, ...]:
+    """The values of :data:`RATE_KEYS` in ``cfg``."""
+    return tuple(OmegaConf.select(cfg, key) for key in RATE_KEYS)
+
+
+def apart(cfg: DictConfig) -> tuple[Any, ...]:
+    """What runs of ``cfg``'s settings must also share to train as one pack: their learning
+    rates, unless the optimizer takes one per run (SGD's device step); empty then."""
+    return () if cfg.optim.name == "sgd" else rates(cfg)
+
+
 def shared_settings(cfg: DictConfig) -> dict[str, Any]:
     """``cfg`` resolved, without its :data:`PER_RUN_KEYS`: what every run of its pack shares."""
     tree = OmegaConf.to_container(cfg, resolve=True)
@@ -131,6 +145,10 @@ def check_pack(cfgs: Sequence[DictConfig]) -> None:
         if fingerprint(other) != fingerprint(common):
             raise ConfigError(f"{PACK_KEY}: the runs of a pack may differ in {' and '.join(PER_RUN_KEYS)} only; "
                               f"{differences(common, other)}")
+    if len({rates(c) for c in cfgs}) > 1 and first.optim.name != "sgd":
+        raise ConfigError(f"{PACK_KEY}: the runs of a pack may differ in their learning rates under optim=sgd only "
+                          f"(its step takes a rate per run); under optim={first.optim.name} "
+                          f"{', '.join(RATE_KEYS)} are {[rates(c) for c in cfgs]}")
     chosen = unpackable(first)
     if chosen:
         raise ConfigError(f"runs cannot train as a pack with {', '.join(chosen)} (a pack is one process whose probes, "
@@ -252,6 +270,27 @@ class PackTrainer(Trainer):
             if m.frozen:
                 self.freezer.freeze(self.state, m.index)
 
+    def member_lr(self, member: Member, lr: float) -> float:
+        rates = self.state.run_rates
+        return lr if rates is None else rates.last_lr(member.index)
+
+    def payloads(self) -> list[dict[str, Any]]:
+        """As alone (:meth:`Trainer.payloads`), each with its own run's rates and the form of
+        the pack's convolutions (what a resume under ``trainer.pack_conv=auto`` keeps)."""
+        out = super().payloads()
+        for m, payload in zip(self.running(), out):
+            if "pack_conv" in m.summary:
+                payload["pack_conv"] = m.summary["pack_conv"]
+            if self.state.run_rates is not None:
+                self.state.run_rates.into_payload(m.index, payload)
+        return out
+
+    def restore(self, payloads: list[dict[str, Any]]) -> None:
+        """As alone (:meth:`Trainer.restore`), each run's schedule from its own checkpoint."""
+        super().restore(payloads)
+        if self.state.run_rates is not None:
+            self.state.run_rates.restore(payloads, [m.status == "running" for m in self.members])
+
     def diverge(self, member: Member, lr: float) -> None:
         """As alone (:meth:`Trainer.diverge`), then the run's slot frozen: the others go on."""
         super().diverge(member, lr)
@@ -289,8 +328,8 @@ class CompiledPack:
 _compiled: list[CompiledPack] = []  # at most one: a worker's graphs, kept for its next pack
 
 
-def packed_training(cfg: DictConfig, models: Sequence[nn.Module],
-                    device: torch.device) -> tuple[nn.Module, AmpCompileWrapper, torch.optim.Optimizer]:
+def packed_training(cfg: DictConfig, models: Sequence[nn.Module], device: torch.device,
+                    conv: str = GROUPED) -> tuple[nn.Module, AmpCompileWrapper, torch.optim.Optimizer]:
     """The packed model of ``models`` under the run's amp / channels_last / compile settings,
     and its optimizer. Compiled, the last pack's objects are reused when this pack has the
     same layers and settings: its runs' values are copied into them (:func:`load_packed`) and
@@ -300,13 +339,13 @@ def packed_training(cfg: DictConfig, models: Sequence[nn.Module],
     pack's first optimizer step is compiled, where a pack on new objects takes it eagerly (it
     creates the optimizer's state): the two differ in the rounding of that step, as compiled
     and eager steps do (docs/speed.md)."""
-    model = pack_models(models, str(cfg.trainer.get("pack_conv", GROUPED)))
-    settings = (OmegaConf.to_container(cfg.optim, resolve=True), str(cfg.trainer.get("amp")),
-                bool(cfg.trainer.get("channels_last")), str(device))
+    model = pack_models(models, conv)
+    optim = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if f"optim.{k}" not in RATE_KEYS}
+    settings = (optim, str(cfg.trainer.get("amp")), bool(cfg.trainer.get("channels_last")), str(device), conv)
     last = _compiled.pop() if _compiled else None
     if cfg.trainer.compile and last is not None and last.settings == settings and same_layers(last.model, model):
         load_packed(last.model, model)
-        restart_optimizer(last.optimizer)
+        restart_optimizer(last.optimizer, group_rates(cfg.optim, len(last.optimizer.param_groups)))
         _compiled.append(last)
         return last.model, last.net, last.optimizer
     net = AmpCompileWrapper.from_config(model, device, cfg.trainer)
@@ -316,21 +355,43 @@ def packed_training(cfg: DictConfig, models: Sequence[nn.Module],
     return model, net, optimizer
 
 
-def restart_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer`` as it starts a run: its state zeroed in place (SGD's first step with a
-    zero momentum buffer and Adam's with zero moments and step compute what they compute
-    without state) and each group's learning rate set back to the one it was built with."""
+def restart_optimizer(optimizer: torch.optim.Optimizer, rates: Sequence[float]) -> None:
+    """``optimizer`` as it starts a run at ``rates`` (each group's initial lr: a pack of other
+    learning rates reuses it too): its state zeroed in place (SGD's first step with a zero
+    momentum buffer and Adam's with zero moments and step compute what they compute without
+    state), each group's ``lr`` and ``initial_lr`` set to its rate (a schedule built on it
+    then starts from them)."""
     with torch.no_grad():
         for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     value.zero_()
-    for group in optimizer.param_groups:
-        if "initial_lr" in group:
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(group["initial_lr"])
-            else:
-                group["lr"] = group["initial_lr"]
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["initial_lr"] = rate
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(rate)
+        else:
+            group["lr"] = rate
+
+
+def resumed_conv(cfg: DictConfig, members: Sequence[PackMember]) -> str | None:
+    """Under ``trainer.pack_conv=auto``, the form of the convolutions a pack being resumed
+    was trained with, from its first running run's newest periodic checkpoint, so that it
+    continues bit for bit (a new measurement could choose the other form, which rounds
+    differently); None for a pack that starts, or a form not recorded."""
+    if str(cfg.trainer.get("pack_conv")) != AUTO_CONV or str(cfg.trainer.resume) != "auto":
+        return None
+    first = next((m for m in members if not m.frozen), None)
+    for path in checkpoint.periodic_checkpoints(first.run_dir) if first is not None else []:
+        try:
+            form = checkpoint.load(path).get("pack_conv")
+        except ValueError:
+            continue
+        if form in PACK_CONVS:
+            log.info("trainer.pack_conv=auto: %s, the form this pack trained with before it stopped", form)
+            return str(form)
+        return None
+    return None
 
 
 def fit_pack(members: list[PackMember]) -> None:
@@ -344,17 +405,23 @@ def fit_pack(members: list[PackMember]) -> None:
     one_process = Dist()
     loaders = training_loaders(cfg, bundle, int(cfg.trainer.batch_size), [c.trainer.seed for c in cfgs], device,
                                one_process)
+    conv = resumed_conv(cfg, members) or conv_form(cfg, bundle.spec, len(members), device)  # before seeding
     models = seeded_models(members, bundle.spec, device)
-    model, net, optimizer = packed_training(cfg, models, device)
+    model, net, optimizer = packed_training(cfg, models, device, conv)
     steps_per_epoch = loaders[0].steps_per_epoch
     scheduler = build_schedule(optimizer, cfg.schedule, steps_per_epoch)
     state = TrainState(cfg, members[0].run_dir, device, model, optimizer, scheduler, steps_per_epoch,
                        total_steps(cfg.trainer, steps_per_epoch), train_data=bundle.train)
+    run_rates = [group_rates(c.optim, len(optimizer.param_groups)) for c in cfgs]
+    if any(r != run_rates[0] for r in run_rates):
+        state.run_rates = RunSchedules(cfg.schedule, steps_per_epoch, run_rates)
     setup = dict(backends=backends, data_files=data_identity(cfg.data),
                  **setup_summary(bundle, models[0], device, loaders[0], one_process))
     for m in members:
         m.callbacks = [] if m.frozen else [WeightNormLog(m.run_dir, m.index, len(members))]
         m.summary.update(setup, packed_with=[str(o.run_dir) for o in members if o is not m])
+        if str(cfg.trainer.get("pack_conv")) == AUTO_CONV:  # the form auto chose (a given one is in the config)
+            m.summary["pack_conv"] = conv
     shared = [cb for cb in method_callbacks(cfg) if not isinstance(cb, WeightNormLog)]  # one for all runs
     PackTrainer(state, net, members, loaders, bundle.spec.num_classes, shared).run()
 

@@ -1,4 +1,5 @@
-"""``trainer.pack=auto``: the largest pack that fits the device, from measured training steps.
+"""``trainer.pack=auto``: the largest pack that fits the device, from measured training steps;
+``trainer.pack_conv=auto``: the faster form of a pack's convolutions, from measured steps.
 
 One training step of a pack of 1 and of a pack of 2 runs of the sweep's model (its norm,
 batch, data shapes, amp and channels_last; eager, on fixed random batches) is measured:
@@ -15,10 +16,18 @@ On a GPU the bytes are what the caching allocator hands out at the step's peak
 state plus every tensor the forward saves for the backward (counted once per storage), and
 the free memory is the kernel's estimate of what can be had without swapping
 (``MemAvailable``).
+
+``trainer.pack_conv=auto`` times :data:`CONV_STEPS` eager training steps of the pack about
+to train (its model, K, batch, precision and memory layout, on its device) once with each
+form of :data:`bnexp.nn.packed.PACK_CONVS` and keeps the faster; a process measures each kind
+of pack once (:func:`conv_form`) and says what it measured in one line. The steps are
+eager, outside a CUDA graph: the launches of ``streams``' K convolutions per layer, which a
+graph would remove, are counted (``bench table_cost`` measures the graphed forms).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -33,18 +42,21 @@ from torch import nn
 from bnexp.data import build_data
 from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import Callback, TrainState
+from bnexp.engine.identity import PER_RUN_KEYS
 from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule
 from bnexp.engine.trainer import train_step
 from bnexp.models import DataSpec, build_model
 from bnexp.models.packing import pack_models, packed_losses
-from bnexp.nn.packed import GROUPED
+from bnexp.nn.packed import AUTO_CONV, GROUPED, PACK_CONVS
 from bnexp.support.runinfo import resolve_device
 
 log = logging.getLogger("bnexp.engine.pack_size")
 
 MAX_AUTO_PACK = 60  # the largest pack auto picks: a CBN Table 1 row's rho grid x 10 seeds
 MEMORY_SHARE = 0.8  # of the free memory: the rest for the allocator's slack, cuDNN's workspaces, evaluation
+CONV_STEPS = 3  # timed steps per form (after two untimed: the optimizer's state, cuDNN's choices)
+_conv_forms: dict[tuple[Any, ...], str] = {}  # this process's choices, by kind of pack
 
 
 @dataclass(frozen=True)
@@ -80,15 +92,17 @@ def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 
 
 def packed_step(cfg: DictConfig, spec: DataSpec, batch: int, runs: int, device: torch.device,
-                run_dir: Path = Path(".")) -> tuple[Callable[[], Any], TrainState, list[Callback]]:
+                run_dir: Path = Path("."), conv: str | None = None) -> tuple[Callable[[], Any], TrainState, list[Callback]]:
     """One training step of a pack of ``runs`` runs of ``cfg``'s model (seeds 0 and up) on a
     fixed random batch, under the run's amp / channels_last / compile settings, with its
-    method hooks started; the step, its state and its hooks."""
+    method hooks started, its convolutions in form ``conv`` (default: ``trainer.pack_conv``,
+    ``grouped`` for ``auto``); the step, its state and its hooks."""
     models = []
     for seed in range(runs):
         torch.manual_seed(seed)
         models.append(build_model(cfg.model, cfg.norm, cfg.act.name, spec))
-    model = pack_models(models, str(cfg.trainer.get("pack_conv", GROUPED))).to(device)
+    form = conv or str(cfg.trainer.get("pack_conv", GROUPED))
+    model = pack_models(models, GROUPED if form == AUTO_CONV else form).to(device)
     net = AmpCompileWrapper.from_config(model, device, cfg.trainer)
     optimizer = build_optimizer(model, cfg.optim)
     state = TrainState(cfg, run_dir, device, model, optimizer, build_schedule(optimizer, cfg.schedule, 1), 1, 10**9)
@@ -155,3 +169,58 @@ def auto_pack(cfg: DictConfig, spec: DataSpec, device: torch.device, workers: in
 def measured_pack(cfg: DictConfig, workers: int) -> tuple[int, str]:
     """:func:`auto_pack` for ``cfg``'s runs on the device it trains on, its data's shapes."""
     return auto_pack(cfg, build_data(cfg.data).spec, resolve_device(cfg.trainer.device), workers)
+
+
+def conv_seconds(cfg: DictConfig, spec: DataSpec, runs: int, device: torch.device, conv: str) -> float:
+    """Seconds of one eager training step of a pack of ``runs`` runs of ``cfg``'s model with
+    its convolutions in form ``conv``: the mean of :data:`CONV_STEPS` steps after two."""
+    eager = cfg.copy()
+    OmegaConf.update(eager, "trainer.compile", False, merge=False)
+    step, state, callbacks = packed_step(eager, spec, int(cfg.trainer.batch_size), runs, device, conv=conv)
+    for _ in range(2):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(CONV_STEPS):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = (time.perf_counter() - started) / CONV_STEPS
+    for cb in callbacks:
+        cb.on_train_end(state, "completed")
+    del step, state, callbacks
+    if device.type == "cuda":  # blocks cached for the side streams serve no other stream: hand them back
+        torch.cuda.empty_cache()
+    return seconds
+
+
+def conv_form(cfg: DictConfig, spec: DataSpec, runs: int, device: torch.device) -> str:
+    """The form of a pack's convolutions: ``trainer.pack_conv``, or for ``auto`` the faster of
+    :data:`PACK_CONVS` for this kind of pack (model, norm, K, batch, data shapes, precision,
+    memory layout, device), measured once per process (:func:`conv_seconds`) and logged."""
+    setting = str(cfg.trainer.get("pack_conv", GROUPED))
+    if setting != AUTO_CONV or runs == 1:
+        return GROUPED if setting == AUTO_CONV else setting
+    kind = (pack_kind(cfg), spec, runs, str(device))
+    if kind not in _conv_forms:
+        seconds = {form: conv_seconds(cfg, spec, runs, device, form) for form in PACK_CONVS}
+        _conv_forms[kind] = min(PACK_CONVS, key=lambda form: seconds[form])
+        log.info("trainer.pack_conv=auto: %s for packs of %d %s runs on %s (amp %s, channels_last %s; a step takes %s)",
+                 _conv_forms[kind], runs, cfg.model.name, device, cfg.trainer.get("amp"),
+                 bool(cfg.trainer.get("channels_last")),
+                 ", ".join(f"{seconds[form] * 1e3:.1f} ms {form}" for form in PACK_CONVS))
+    return _conv_forms[kind]
+
+
+def pack_kind(cfg: DictConfig) -> str:
+    """What decides a pack's step time besides K and the data's shapes: the model, norm, act,
+    batch, precision and memory layout, without the per-run settings (a pack of other rho or
+    seeds is the same kind)."""
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    for key in PER_RUN_KEYS:
+        section, _, name = key.rpartition(".")
+        tree.get(section, {}).pop(name, None)
+    trainer = tree["trainer"]
+    return json.dumps([tree["model"], tree["norm"], tree["act"], trainer["batch_size"], trainer.get("amp"),
+                       trainer.get("channels_last")], sort_keys=True, default=str)

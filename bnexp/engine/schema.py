@@ -25,7 +25,7 @@ from bnexp.engine.optim import OPTIMIZERS, SCHEDULES, UNITS, WARMUPS
 from bnexp.models.bnp_nets import PADDINGS
 from bnexp.nn.create_norm import JOINS, PLACEMENTS
 from bnexp.nn.family import ADAPTIVE, AMAT_UPDATES
-from bnexp.nn.packed import PACK_CONVS
+from bnexp.nn.packed import AUTO_CONV, PACK_CONVS
 from bnexp.support.errors import ConfigError, unknown_choice
 
 # numpy seeds its generator with 32 bits (trainer.seed, and each rank's or pack member's
@@ -222,7 +222,7 @@ class TrainerKeys(TypedDict, total=False):
     nproc: Processes
     dist_timeout: at_most(float, 0, MAX_TIMEOUT, TIMEOUT_WHY, above_low=True)
     pack: Union[Processes, Literal["auto"]]
-    pack_conv: choice(PACK_CONVS)
+    pack_conv: choice((*PACK_CONVS, AUTO_CONV))
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)]
     device: choice(DEVICES)
     eval_every: Interval

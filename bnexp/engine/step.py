@@ -4,9 +4,10 @@
 ``AMPTrainer.run_step``): the learning rate of every parameter group, the step's position in
 its epoch, the pack's frozen-run mask and the training sums live on the device at fixed
 addresses and are updated there, so the step's work reads no device value on the host and
-bakes in no value that changes between steps. Its parts, in order: each group's lr read from
-a table of the epoch's rates (filled at the epoch's start from a copy of the run's schedule,
-:class:`LrAhead`), the batch (gathered on the device from the epoch's draws under
+bakes in no value that changes between steps. Its parts, in order: each group's lr (each
+run's, in a pack whose runs differ in it) read from a table of the epoch's rates (filled at
+the epoch's start from a copy of the run's schedule, or of each run's, :class:`LrAhead`), the
+batch (gathered on the device from the epoch's draws under
 ``data.loader=device``, :class:`bnexp.data.device.PackedEpochs`), the methods' in-step hooks
 (AMAT's eta from that lr, BNP's gradient rewrite, the frozen runs' gradients), forward, loss,
 backward, the optimizer's update (:class:`bnexp.engine.optim.DeviceLrSGD`), the training sums
@@ -177,15 +178,18 @@ class TrainStep:
         device = state.device
         self.plan = batches if isinstance(batches, PackedEpochs) else None
         self.host = None if self.plan is not None else batches
-        self.lr = torch.zeros(len(state.optimizer.param_groups), dtype=torch.float64, device=device)
-        self.table = torch.zeros(state.steps_per_epoch, len(self.lr), dtype=torch.float64, device=device)
+        runs = state.run_rates  # a pack whose runs differ in their lr: (groups, runs) rates
+        shape = (len(state.optimizer.param_groups), *([] if runs is None else [len(runs.index)]))
+        self.lr = torch.zeros(shape, dtype=torch.float64, device=device)
+        self.table = torch.zeros(state.steps_per_epoch, *shape, dtype=torch.float64, device=device)
         self.position = torch.zeros((), dtype=torch.long, device=device)  # the step's batch in its epoch
         state.device_lr = self.lr
         self.device_update = isinstance(state.optimizer, DeviceLrSGD) and not net.scaler.is_enabled()
         if self.device_update:
             state.optimizer.prepare_device_step()
         self.compiled_update: Optional[Callable[[], Any]] = None
-        self.ahead = LrAhead(state.scheduler, state.optimizer)
+        self.ahead = [LrAhead(*pair) for pair in ([(state.scheduler, state.optimizer)] if runs is None else runs.pairs())]
+        self.pick = None if runs is None else torch.tensor(runs.index)  # each run's schedule
         self.epoch_end = state.step  # the step at which the next epoch's rates and draws are due
         self.buffers = [(m, name) for m in state.model.modules() for name in m._buffers]
         self.params = [p for group in state.optimizer.param_groups for p in group["params"]]
@@ -216,7 +220,8 @@ class TrainStep:
         into the table, its position, and under the device loader its draws."""
         state = self.state
         epoch, first = divmod(state.step, state.steps_per_epoch)
-        self.table[first:].copy_(self.ahead.rates(state.steps_per_epoch - first))
+        rates = [ahead.rates(state.steps_per_epoch - first) for ahead in self.ahead]
+        self.table[first:].copy_(rates[0] if self.pick is None else torch.stack(rates, -1)[..., self.pick])
         self.position.fill_(first)
         if self.plan is not None:
             self.plan.start_epoch(epoch)
@@ -226,7 +231,7 @@ class TrainStep:
         """The step's device work (what a graph captures): ``(x, y)`` the host's batch, or
         ``size`` images of every run gathered from the epoch's draws."""
         state = self.state
-        self.lr.copy_(self.table.index_select(0, self.position.view(1)).view(-1))
+        self.lr.copy_(self.table.index_select(0, self.position.view(1)).view(self.lr.shape))
         if x is None:
             x, y = self.plan.batch(self.position, size)
         for cb in self.callbacks:

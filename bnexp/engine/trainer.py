@@ -45,7 +45,7 @@ from bnexp.engine.callbacks import Callback, TrainState, ended_on_stop
 from bnexp.engine.config import check_step_counts, validate
 from bnexp.engine.console import RunConsole
 from bnexp.engine.evaluation import DeviceEvaluation, test_rows
-from bnexp.engine.identity import fingerprint, run_differences
+from bnexp.engine.identity import fingerprint, run_differences, run_labels
 from bnexp.engine.loggers import logger_callback
 from bnexp.engine.method_hooks import method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule, to_steps
@@ -179,8 +179,8 @@ class Trainer:
         self.loaders = loaders  # one per member, sharing one copy of the data and the test batches
         self.num_classes = num_classes
         self.shared = list(shared)
-        labels = [f"seed {m.cfg.trainer.seed}: " if len(members) > 1 else "" for m in members]
-        self.console = RunConsole([m.run_dir for m in members], labels, members[0].summary.get("params"))
+        self.console = RunConsole([m.run_dir for m in members], run_labels([m.cfg for m in members]),
+                                  members[0].summary.get("params"))
         self.callbacks = [*self.shared, *(cb for m in self.running() for cb in m.callbacks), self.console]
         self.meter = TrainMeter(state.device, len(members))
         self.graphed = cuda_graph_wanted(state, net, self.callbacks)  # trainer.cuda_graph, where it can be had
@@ -236,6 +236,14 @@ class Trainer:
             log.warning("no valid checkpoint in %s: starting over", member.run_dir)
         return None if found is None else [found]
 
+    def member_lr(self, member: Member, lr: float) -> float:
+        """The lr of ``member``'s last step, given the trainer's (a pack's runs may differ in it)."""
+        return lr
+
+    def lr_text(self, lr: float) -> str:
+        """The last step's lr as the bar and the log show it: each running member's."""
+        return " ".join(dict.fromkeys(f"{self.member_lr(m, lr):.4g}" for m in self.running()))
+
     def diverge(self, member: Member, lr: float) -> None:
         """``member``'s training loss is not finite: an evaluation row if it has none yet (its
         state as it diverged), its summary final now (rewritten with the wall time at the
@@ -290,10 +298,10 @@ class Trainer:
                 if not self.running():
                     break
                 losses, accuracies = (" ".join(f"{v:.4f}" for v, _ in train), " ".join(f"{a:.2f}%" for _, a in train))
-                bar.set_postfix(loss=losses, lr=f"{lr:.4g}", **self.console.postfix())
+                bar.set_postfix(loss=losses, lr=self.lr_text(lr), **self.console.postfix())
                 if bar.disable and state.step % log_every == 0:
-                    log.info("step %d/%d epoch %.2f loss %s acc %s lr %.4g", state.step, state.total_steps,
-                             state.epoch, losses, accuracies, lr)
+                    log.info("step %d/%d epoch %.2f loss %s acc %s lr %s", state.step, state.total_steps,
+                             state.epoch, losses, accuracies, self.lr_text(lr))
             if state.step % eval_every == 0 or last:
                 self.evaluate(lr)
             checkpoint_or_stop(guard, clock, state, last, self.save_periodic, [m.summary for m in self.running()])
@@ -320,7 +328,7 @@ class Trainer:
         for m, run_train, test in zip(self.members, train, tests):
             if m is not only and (only is not None or m.status != "running"):
                 continue
-            row = eval_row(s, lr, run_train, test, self.seconds())
+            row = eval_row(s, self.member_lr(m, lr), run_train, test, self.seconds())
             m.metrics.write(row)
             if only is None and row["test_acc"] > m.summary.get("best_top1", -math.inf):
                 improved.append(m.index)
@@ -508,6 +516,8 @@ def end_step(state: TrainState, callbacks: list[Callback], bar: tqdm) -> bool:
     averaging (under torchrun), the step count and the hooks' ``after_step``. Whether it was
     the last step."""
     state.scheduler.step()
+    if state.run_rates is not None:
+        state.run_rates.step()
     distributed.average_buffers(state.model)
     state.step += 1
     for cb in callbacks:

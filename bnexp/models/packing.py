@@ -34,7 +34,7 @@ from torchvision.ops import StochasticDepth
 
 from bnexp.models.layers import NormOp
 from bnexp.nn._base import ChannelNorm
-from bnexp.nn.family import NormFamily, as_norm_family
+from bnexp.nn.family import ETA_BUFFER, NormFamily, as_norm_family
 from bnexp.nn.packed import GROUPED, PackedConv2d, PackedLinear
 from bnexp.support.errors import ConfigError
 
@@ -148,10 +148,10 @@ def pack_models(models: Sequence[nn.Module], conv: str = GROUPED) -> nn.Module:
 def same_layers(a: nn.Module, b: nn.Module) -> bool:
     """Whether two (packed) models have the same layers, settings (but ``PER_RUN``), and
     tensors of the same shapes and dtypes: one can take the other's values (:func:`load_packed`)."""
-    # tensors shared between layers count in each (a trained model's adaptive-AMAT layers read
-    # one eta tensor, a new model's each their own)
-    tensors = [dict([*m.named_parameters(remove_duplicate=False), *m.named_buffers(remove_duplicate=False)])
-               for m in (a, b)]
+    # tensors shared between layers count in each; adaptive AMAT's eta is left out: a run's hook
+    # gives every layer one eta tensor (one value per run in a pack across learning rates)
+    tensors = [{k: t for k, t in [*m.named_parameters(remove_duplicate=False), *m.named_buffers(remove_duplicate=False)]
+                if k.rpartition(".")[2] != ETA_BUFFER} for m in (a, b)]
     return first_difference([a, b]) is None and tensors[0].keys() == tensors[1].keys() and all(
         t.shape == tensors[1][k].shape and t.dtype == tensors[1][k].dtype for k, t in tensors[0].items())
 
@@ -164,7 +164,7 @@ def load_packed(target: nn.Module, source: nn.Module) -> None:
     theirs = dict(source.named_buffers())
     with torch.no_grad():
         for name, buffer in target.named_buffers():
-            if name not in state and buffer.dim() > 0:
+            if name not in state and buffer.dim() > 0 and name.rpartition(".")[2] != ETA_BUFFER:
                 buffer.copy_(theirs[name])
 
 
@@ -189,7 +189,7 @@ def common_layers(models: Sequence[nn.Module]) -> list[nn.Module]:
     difference = first_difference(out)
     if difference is not None:
         raise ConfigError(f"trainer.pack: the runs of a pack differ in {difference}, which the layer keeps as a "
-                          "constant: only runs that differ in their seed and in rho (norm.rho) train as one pack")
+                          "constant: only runs that differ in their seed, rho (norm.rho) and learning rates train as one pack")
     return out
 
 

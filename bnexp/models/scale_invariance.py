@@ -8,6 +8,8 @@ and the ``weights`` probe all take the list from :func:`scale_invariant_weights`
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 from torch import nn
 from torch.optim import Optimizer
@@ -41,14 +43,17 @@ def filter_squares(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().double().flatten(1).square().sum(1)
 
 
-def weight_norms(weights: list[tuple[str, nn.Parameter]], optimizer: Optimizer, run: int = 0,
-                 runs: int = 1) -> list[tuple[str, float, float, tuple[float, float, float]]]:
+def weight_norms(weights: list[tuple[str, nn.Parameter]], optimizer: Optimizer, run: int = 0, runs: int = 1,
+                 rates: Optional[Sequence[float]] = None) -> list[tuple[str, float, float, tuple[float, float, float]]]:
     """``(name, ||w||, lr, (min, median, max) of lr / ||w_k||^2 over the filters))`` for each
     weight, ``lr`` being that of the optimizer group holding it. ``lr / ||w||^2`` is a
     layer's effective learning rate; BN makes each filter ``w_k`` scale-invariant on its
     own, so ``lr / ||w_k||^2`` is the effective rate of Arora et al.'s analysis. In a packed
-    model of ``runs`` runs, the weights are those of run ``run`` (its block of filters)."""
-    lrs = {id(p): float(group["lr"]) for group in optimizer.param_groups for p in group["params"]}
+    model of ``runs`` runs, the weights are those of run ``run`` (its block of filters), at its
+    ``rates`` (each group's lr; default the optimizer's)."""
+    if rates is None:
+        rates = [float(group["lr"]) for group in optimizer.param_groups]
+    lrs = {id(p): rate for group, rate in zip(optimizer.param_groups, rates) for p in group["params"]}
     rows = []
     for name, w in weights:
         squares = filter_squares(w.chunk(runs)[run])

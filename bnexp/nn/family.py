@@ -18,6 +18,7 @@ from bnexp.nn.create_norm import Builder, register_norm
 from bnexp.support.distributed import world_size
 
 AMAT_OMEGA = 10.0  # CBN's omega: eta_k = max(1 - omega * lr_k, 0)
+ETA_BUFFER = "amat_eta_now"  # adaptive AMAT's eta of the coming step: set by the run's hook, not a layer's value
 AMAT_MEAN_GUARD = 1e-6  # |mu_B| below this: r_mu = 1 (no ratio through a vanishing mean)
 BEFORE_FORWARD = "before_forward"  # update mu_A, sigma_A^2 with the current batch, then normalize
 AFTER_FORWARD = "after_forward"  # normalize with the averages of earlier batches, then update them
@@ -120,7 +121,7 @@ class NormFamily(ChannelNorm):
             if amat_eta is None:
                 # eta of the coming step, from the lr that set_learning_rate hands in before each
                 # step (a buffer, so a changing lr costs no recompilation); not state.
-                self.register_buffer("amat_eta_now", torch.tensor(float("nan")), persistent=False)
+                self.register_buffer(ETA_BUFFER, torch.tensor(float("nan")), persistent=False)
                 self._lr_known = False
         else:
             self.register_buffer("running_mean", torch.zeros(num_features))
@@ -154,7 +155,9 @@ class NormFamily(ChannelNorm):
     def read_eta_from(self, eta: Tensor) -> None:
         """Adaptive AMAT: take eta from ``eta`` (this layer's dtype and device), which its owner
         updates in place (:func:`set_adaptive_eta`) before each training step, so that one
-        tensor at a fixed address serves every layer (what a CUDA graph needs)."""
+        tensor at a fixed address serves every layer (what a CUDA graph needs). In a packed
+        model whose K runs differ in their learning rate, ``eta`` holds K values, run ``k``'s
+        for its block of channels."""
         if self.amat and self.amat_eta is None:
             self.amat_eta_now = eta
             self._lr_known = True
@@ -254,6 +257,8 @@ class NormFamily(ChannelNorm):
     def _amat_new_weight(self) -> Tensor:
         """``1 - eta_k``, the weight of the current batch in eqs. (8)-(9); 1 on the first step."""
         eta = self.amat_eta_now if self.amat_eta is None else torch.full_like(self.amat_mean[0], self.amat_eta)
+        if eta.dim():  # one eta per run of a pack whose runs differ in their lr: each over its channels
+            eta = eta.repeat_interleave(self.num_features // len(eta))
         return 1.0 - torch.where(self.amat_steps == 0, 0.0, eta)
 
     def _amat_in_use(self, average: Tensor, updated: Tensor, batch: Tensor) -> Tensor:

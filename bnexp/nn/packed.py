@@ -18,6 +18,7 @@ from torch import Tensor, nn
 GROUPED = "grouped"  # one convolution with groups = runs * groups
 STREAMS = "streams"  # one convolution per run, each on a CUDA stream of its own (in turn on a CPU)
 PACK_CONVS = (GROUPED, STREAMS)
+AUTO_CONV = "auto"  # trainer.pack_conv: the faster of PACK_CONVS, measured (bnexp.engine.pack_size.conv_form)
 MAX_STREAMS = 16  # side streams per device, taken in turn by the runs of a convolution
 
 

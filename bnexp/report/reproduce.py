@@ -30,14 +30,14 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from hydra import compose
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from bnexp.app.compose import hydra_session, is_group, parser
 from bnexp.app.sweep import Job, describe_jobs, distinct_packs, ledger_file, pack_groups
 from bnexp.app.train import multirun
-from bnexp.engine.identity import PER_RUN_KEYS
-from bnexp.engine.pack import unpackable
+from bnexp.engine.identity import PER_RUN_KEYS, RATE_KEYS
+from bnexp.engine.pack import apart, unpackable
 from bnexp.report.presets import SEED, Preset, count, estimate, job_value, load_preset, parse_command, preset_overrides, steps_per_run
 from bnexp.report.results import load_summaries
 from bnexp.report.selection import best_choice, preset_runs, select, tuned_key
@@ -217,10 +217,20 @@ def pack_plan(p: Preset) -> list[list[Job]]:
             if unpackable(composed[choices]):
                 packs += [[p.jobs[i]] for i in group]
                 continue
-            runs = [tuple(job_value(p.jobs[i], key) or str(OmegaConf.select(p.cfg, key)) for key in PER_RUN_KEYS)
-                    for i in group]
-            packs += [[p.jobs[group[i]] for i in pack] for pack in distinct_packs(runs, size)]
+            for part in rate_parts(p.jobs, group, composed[choices]):
+                runs = [tuple(job_value(p.jobs[i], key) or str(OmegaConf.select(p.cfg, key)) for key in PER_RUN_KEYS)
+                        for i in part]
+                packs += [[p.jobs[part[i]] for i in pack] for pack in distinct_packs(runs, size)]
     return packs
+
+
+def rate_parts(jobs: list[Job], group: list[int], cfg: DictConfig) -> list[list[int]]:
+    """``group`` (positions in ``jobs``) cut by learning rate where ``cfg``'s optimizer takes
+    no rate per run (:func:`bnexp.engine.pack.apart`), as the launcher cuts it."""
+    if not apart(cfg):
+        return [group]
+    same_rates = [k for k in PER_RUN_KEYS if k not in RATE_KEYS]
+    return [[group[i] for i in part] for part in pack_groups([jobs[i] for i in group], per_run=same_rates)]
 
 
 def workers(p: Preset) -> tuple[int, str]:

@@ -421,7 +421,7 @@ def arm_cells(claim: str, arm: Arm, folder: Path, scale: str, extra: Sequence[st
     hydra = [a for a in args if a.startswith(("hydra.", "hydra/"))]
     jobs = load_preset(arm.preset, "full", [a for a in args if not a.startswith("experiment=")]).jobs
     cells = []
-    for group in pack_groups(jobs):
+    for group in pack_groups(jobs, per_run=(SEED,)):
         seeds = [str(job_value(jobs[i], SEED)) for i in group]
         fixed = [o for o in jobs[group[0]] if override_key(o) != SEED]
         packed = ["hydra/launcher=pack"] if len(seeds) > 1 else []

@@ -1,9 +1,9 @@
 """bnexp's packing launchers (``hydra/launcher=pack``, ``hydra/launcher=pack_slurm``): a sweep
 trained as packs, by one process or by several workers per GPU.
 
-The jobs of a multirun that differ only in the keys a pack's runs may differ in (the seed
-and rho: :data:`bnexp.engine.identity.PER_RUN_KEYS`) are grouped
-(:func:`bnexp.app.sweep.pack_groups`) and cut into packs of distinct runs
+The jobs of a multirun that differ only in the keys a pack's runs may differ in (the seed,
+rho and the learning rates: :data:`bnexp.engine.identity.PER_RUN_KEYS`; the rates only under
+SGD, :func:`bnexp.engine.pack.apart`) are grouped (:func:`bnexp.app.sweep.pack_groups`) and cut into packs of distinct runs
 (:func:`bnexp.app.sweep.distinct_packs`) of at most ``trainer.pack`` runs: a number, or
 ``auto`` (measured: :mod:`bnexp.engine.pack_size`); the launcher's ``max_pack`` when
 ``trainer.pack`` is 1, its default. Each pack trains as one packed model
@@ -102,10 +102,10 @@ class PackLauncher(BasicLauncher):
 
     def plan(self, job_overrides: Sequence[Sequence[str]], configs: list[DictConfig]) -> list[list[int]]:
         """The sweep's packs (positions of its jobs); a job that cannot be packed alone."""
-        from bnexp.engine.pack import per_run_values, unpackable
+        from bnexp.engine.pack import apart, per_run_values, unpackable
 
         packs = []
-        for group in pack_groups(job_overrides):
+        for group in pack_groups(job_overrides, apart=[apart(c) for c in configs]):
             reasons = unpackable(configs[group[0]])
             if reasons:
                 log.info("not packed (%s): %s", ", ".join(reasons), " ".join(job_overrides[group[0]]))
