@@ -152,7 +152,8 @@ def summary_row(path: Path) -> Optional[dict[str, Any]]:
         where["starting_weights"] = starting_weights(summary)
         config = summary.pop("config", {})
         row = {**flatten(config), **{k: v for k, v in summary.items() if not isinstance(v, (dict, list))}}
-        identity = {"result_config": result_config(config), "fingerprint": fingerprint(config)}
+        result = result_config(config)  # the config's fingerprint is its result config's: computed once
+        identity = {"result_config": result, "fingerprint": fingerprint(result)}
     except RecursionError:  # a config that parsed but nests deeper than flattening it can follow
         return failed_row(DataError(f"{path}: 'config' is nested too deeply"), where)
     except DataError as err:
