@@ -104,7 +104,7 @@ def train_command(args: list[str]) -> None:
         sys.exit(err.exit_code)
     app = train_app()
     # Hydra's shell completion registers and queries the program named here (bnexp/cli.py
-    # routes `bnexp -sc query=...` back to this command)
+    # routes `bnexp -sc query=...` to answer_completion, which runs the same app)
     program = "bnexp" if {"-sc", "--shell-completion"} & set(args) else "bnexp train"
     sys.argv = [program, *args, *rank_overrides()]
     try:
