@@ -24,7 +24,6 @@ from typing import Callable
 
 from bnexp.support.errors import EXIT_CONFIG
 from bnexp.support.options import plain_text, print_error
-from bnexp.support.runinfo import source_of_bnexp
 
 USAGE = """usage: bnexp <command> [args]
 
@@ -75,6 +74,8 @@ EXTRAS = {"plot": ("matplotlib", "plot"), "hessian": ("matplotlib", "plot")}
 
 def version() -> str:
     """``bnexp --version``: bnexp's version and source (a git checkout's commit), torch's."""
+    from bnexp.support.runinfo import source_of_bnexp  # here: what it imports, the other commands need not
+
     source = source_of_bnexp()
     where = f"git {source['git_commit'][:12]}{' (dirty)' if source['git_dirty'] else ''}" if source["git_commit"] \
         else "installed package"
@@ -119,7 +120,7 @@ def completion(argv: list[str]) -> None:
         return
     if words[1] == "train":
         os.environ["COMP_LINE"] = f"{words[0]} {words[2]}"
-        train_command(argv)
+        _command("bnexp.app.train", "answer_completion")(argv)
 
 
 def missing_extra(command: str) -> str | None:

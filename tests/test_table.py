@@ -82,6 +82,26 @@ def write_preset_runs(root: Path, runs: list[tuple] = RUNS) -> None:
                                                                     "config": config}))
 
 
+def test_a_runs_fingerprint_and_result_config_are_the_engines_of_its_recorded_config(tmp_path: Path) -> None:
+    """A table reads each run's result config once and its fingerprint from it: the values of
+    bnexp.engine.identity on the config the summary recorded, for a composed config and for one
+    with what result_config leaves out or rewrites (a hydra node, non-result and neutral keys, a
+    float that is an integer, a data root elsewhere, an empty node)."""
+    from bnexp.engine.identity import fingerprint, result_config
+
+    composed = OmegaConf.to_container(compose_cfg(["experiment=cbn/table1", "cbn_row=r2", "act=relu"]), resolve=True)
+    odd = {"hydra": {"run": {"dir": "x"}}, "optim": {"lr": 1.0, "momentum": 0.9}, "norm": {"input": True, "rho": 0.5},
+           "data": {"name": "cifar10", "root": "/elsewhere"}, "model": {"init_scale": 1.0}, "tags": {"row": "r1"},
+           "lookup": {"warmup": {"cbn": 3}}, "trainer": {"seed": 3, "log_every": 7}, "empty": {}}
+    for i, config in enumerate((composed, odd)):
+        (tmp_path / f"run{i}").mkdir()
+        (tmp_path / f"run{i}" / "summary.json").write_text(json.dumps({"status": "completed", "config": config}))
+    rows = load_summaries(tmp_path).set_index("run_dir")
+    for i, config in enumerate((composed, odd)):
+        row = rows.loc[str(tmp_path / f"run{i}")]
+        assert row["fingerprint"] == fingerprint(config) and row["result_config"] == result_config(config)
+
+
 def test_table_command_on_a_results_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_preset_runs(tmp_path)
     code, out = run_cli(["table", "cbn/table1", f"results={tmp_path}"], capsys)

@@ -78,6 +78,27 @@ def test_fish_completion_as_the_readme_installs_it(capsys: pytest.CaptureFixture
     assert code == 0 and out.split() == ["norm=cbn"], out
 
 
+# Lines a TAB press completes: a group's options, every group and key, nested groups, keys under
+# a node, a value (hydra.job.name: the task's module), a deletion, a key after a group's choice.
+COMPLETED_LINES = ("norm=cb", "", "hydra/launcher=", "hydra/", "optim.", "hydra.job.name=", "trainer.seed=", "~lo",
+                   "norm=cbn norm.r")
+
+
+def test_a_completion_query_answers_as_the_whole_train_command(capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bnexp -sc query=bash`` runs bnexp train's Hydra app without the command line's checks,
+    sweeper and launchers (bnexp.app.train.answer_completion, a TAB press waits on it): the
+    answers of the whole ``bnexp train -sc query=bash``, line by line."""
+    from bnexp.app.train import train_command
+
+    for line in COMPLETED_LINES:
+        monkeypatch.setenv("COMP_LINE", f"bnexp train {line}")
+        code, answer = run_cli(["-sc", "query=bash"], capsys)
+        monkeypatch.setenv("COMP_LINE", f"bnexp {line}")  # as bnexp/cli.py hands the line to bnexp train
+        train_command(["-sc", "query=bash"])
+        assert code == 0 and answer.split() and answer == capsys.readouterr().out, (line, answer)
+
+
 def test_a_missing_extra_is_named(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
     import importlib.util
 

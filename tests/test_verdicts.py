@@ -64,6 +64,33 @@ def test_welch_and_equivalence_p_values_match_the_formulas_written_out() -> None
     assert tost(welch(*stats_of([85.0, 85.2]), 87.59, 0.12, 10), 2.0) > 0.5  # 2.49 off: outside a margin of 2
 
 
+def test_t_tails_and_benjamini_hochberg_are_scipy_stats_values_exactly() -> None:
+    """The verdicts take the t tails from scipy.special and Benjamini-Hochberg from a few lines of
+    numpy (importing scipy.stats took seconds of every table): bit for bit the values of the
+    scipy.stats calls they replace, over Welch tests of many sizes, spreads and margins and over
+    p-value lists with ties; and Welch's p-value is scipy's Welch t-test's (another order of
+    the same operations: a few ulps)."""
+    from scipy import stats
+
+    rng = random.Random(40)
+    for _ in range(500):
+        n, runs = rng.choice((2, 3, 5, 10)), rng.choice((2, 5, 10))
+        mean, std = rng.gauss(80, 1), rng.choice((0.05, 0.5, 1.0))
+        ours = stats_of([rng.gauss(80, rng.choice((0.01, 0.3, 2.0))) for _ in range(n)])
+        w = welch(*ours, mean, std, runs)
+        margin = rng.choice((0.1, 1.0, 3.0))
+        assert welch_p(w) == float(2 * stats.t.sf(abs(w.diff) / w.se, w.df))
+        assert tost(w, margin) == float(max(stats.t.sf((w.diff + margin) / w.se, w.df),
+                                            stats.t.cdf((w.diff - margin) / w.se, w.df)))
+        welch_test = stats.ttest_ind_from_stats(*ours, mean, std, runs, equal_var=False)
+        assert welch_p(w) == pytest.approx(float(welch_test.pvalue), rel=1e-13, abs=0)
+    for m in (0, 1, 2, 5, 35, 163):
+        for _ in range(20):
+            p = [rng.random() ** rng.choice((1, 3, 8)) for _ in range(m)]
+            p += p[: rng.choice((0, 3))]  # ties
+            assert benjamini_hochberg(p) == [float(q) for q in stats.false_discovery_control(p, method="bh")]
+
+
 def holm_rejects(p: list[float], alpha: float) -> set[int]:
     """Holm's procedure as its definition reads: test the smallest p-value at alpha / m, the
     next at alpha / (m - 1), ..., stop at the first that is not below its threshold."""

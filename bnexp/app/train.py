@@ -1,26 +1,24 @@
 """``bnexp train``: the command line checked, then handed to Hydra's app over
 ``configs/train.yaml`` (one job, or a multirun with bnexp's sweeper and launchers); each
 job is :func:`bnexp.app.jobs.train_job`, imported when a job runs: Hydra's help and shell
-completion answer without importing torch."""
+completion answer without importing torch. A completion query (each TAB press) runs the same
+app without the command line's checks, bnexp's sweeper and launchers (:func:`answer_completion`),
+which are imported when a command runs."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import hydra
 from hydra.core.plugins import Plugins
 from omegaconf import DictConfig
 
-from bnexp.app.cmdline import DRY_RUN, check_command_line
 from bnexp.app.compose import config_dir, prepare_config_tree
-from bnexp.app.sweep import print_sweep_report
 from bnexp.app.torchrun import rank_overrides
 from bnexp.support.errors import EXIT_FAILED, EXIT_INTERRUPTED, BnexpError, ConfigError
 from bnexp.support.options import print_error
-from hydra_plugins.bnexp_launcher import PackLauncher, PackSlurmLauncher
-from hydra_plugins.bnexp_sweeper import BnexpSweeper
 
 
 def register_plugins() -> None:
@@ -28,6 +26,9 @@ def register_plugins() -> None:
     (``hydra/launcher=pack`` and ``pack_slurm``) known to Hydra. A wheel install puts them where Hydra's plugin
     scan finds them; an editable install's import hook hides them from that scan, so they
     are registered by hand, as Hydra's ``Plugins.register`` allows."""
+    from hydra_plugins.bnexp_launcher import PackLauncher, PackSlurmLauncher
+    from hydra_plugins.bnexp_sweeper import BnexpSweeper
+
     Plugins.instance().register(BnexpSweeper)
     Plugins.instance().register(PackLauncher)
     Plugins.instance().register(PackSlurmLauncher)
@@ -62,9 +63,27 @@ def task(cfg: DictConfig) -> Any:
     return train_job(cfg)
 
 
+def train_app() -> Callable[[], Any]:
+    """Hydra's app over configs/train.yaml, its task :func:`task` (reading ``sys.argv``)."""
+    return hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")(task)
+
+
+def answer_completion(args: list[str]) -> None:
+    """Hydra's answer to a shell-completion query of ``bnexp train`` (``args``: ``-sc
+    query=SHELL``; the line typed in ``COMP_LINE``): the app of :func:`train_command` on the
+    same config tree, without its checks of a command line, which a query does not have, and
+    bnexp's sweeper and launchers, which no query reaches."""
+    prepare_config_tree()
+    sys.argv = ["bnexp", *args]
+    train_app()()
+
+
 def train_command(args: list[str]) -> None:
     """``bnexp train``: check the command line, then hand it to Hydra. ``--dry-run`` (with
     ``-m``) lists a sweep's jobs and run directories without running them."""
+    from bnexp.app.cmdline import DRY_RUN, check_command_line
+    from bnexp.app.sweep import print_sweep_report
+
     prepare_config_tree()
     register_plugins()
     multirun_flags = [a for a in args if a in ("-m", "--multirun")]
@@ -83,9 +102,9 @@ def train_command(args: list[str]) -> None:
     except BnexpError as err:
         print_error(str(err))
         sys.exit(err.exit_code)
-    app = hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")(task)
+    app = train_app()
     # Hydra's shell completion registers and queries the program named here (bnexp/cli.py
-    # routes `bnexp -sc query=...` back to this command)
+    # routes `bnexp -sc query=...` to answer_completion, which runs the same app)
     program = "bnexp" if {"-sc", "--shell-completion"} & set(args) else "bnexp train"
     sys.argv = [program, *args, *rank_overrides()]
     try:

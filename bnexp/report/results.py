@@ -151,8 +151,13 @@ def summary_row(path: Path) -> Optional[dict[str, Any]]:
         where["run_identity"] = run_identity(summary)
         where["starting_weights"] = starting_weights(summary)
         config = summary.pop("config", {})
-        row = {**flatten(config), **{k: v for k, v in summary.items() if not isinstance(v, (dict, list))}}
-        identity = {"result_config": result_config(config), "fingerprint": fingerprint(config)}
+        flat = flatten(config)
+        row = {**flat, **{k: v for k, v in summary.items() if not isinstance(v, (dict, list))}}
+        # result_config flattens what it is given after dropping a top-level hydra node: given the
+        # flattened config (without one), it gives the same and flattens once less; and the
+        # config's fingerprint is its result config's, computed once
+        result = result_config(config if "hydra" in config else flat)
+        identity = {"result_config": result, "fingerprint": fingerprint(result)}
     except RecursionError:  # a config that parsed but nests deeper than flattening it can follow
         return failed_row(DataError(f"{path}: 'config' is nested too deeply"), where)
     except DataError as err:
