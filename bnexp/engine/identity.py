@@ -90,6 +90,15 @@ def _left_out(key: str) -> bool:
     return _covered(key, NON_RESULT_KEYS + LOOKUP_KEYS)
 
 
+def shared_settings(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg`` resolved, without its :data:`PER_RUN_KEYS`: what every run of its pack shares."""
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    for key in PER_RUN_KEYS:
+        section, _, name = key.rpartition(".")
+        tree.get(section, {}).pop(name, None)
+    return tree
+
+
 def run_labels(cfgs: Sequence[DictConfig]) -> list[str]:
     """The console's label of each run of a pack: the per-run settings in which its runs
     differ (``seed 3: ``, ``lr 0.05: ``, ``seed 0 rho 2.0: ``); empty for a run alone."""

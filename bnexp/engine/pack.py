@@ -43,7 +43,7 @@ from bnexp.engine import checkpoint
 from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import Callback, TrainState
 from bnexp.engine.config import validate
-from bnexp.engine.identity import PER_RUN_KEYS, RATE_KEYS, differences, fingerprint
+from bnexp.engine.identity import PER_RUN_KEYS, RATE_KEYS, differences, fingerprint, shared_settings
 from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
 from bnexp.engine.optim import RunSchedules, build_optimizer, build_schedule, group_rates
 from bnexp.engine.pack_size import conv_form
@@ -120,15 +120,6 @@ def apart(cfg: DictConfig) -> tuple[Any, ...]:
     """What runs of ``cfg``'s settings must also share to train as one pack: their learning
     rates, unless the optimizer takes one per run (SGD's device step); empty then."""
     return () if cfg.optim.name == "sgd" else rates(cfg)
-
-
-def shared_settings(cfg: DictConfig) -> dict[str, Any]:
-    """``cfg`` resolved, without its :data:`PER_RUN_KEYS`: what every run of its pack shares."""
-    tree = OmegaConf.to_container(cfg, resolve=True)
-    for key in PER_RUN_KEYS:
-        section, _, name = key.rpartition(".")
-        tree.get(section, {}).pop(name, None)
-    return tree
 
 
 def check_pack(cfgs: Sequence[DictConfig]) -> None:
@@ -271,8 +262,8 @@ class PackTrainer(Trainer):
                 self.freezer.freeze(self.state, m.index)
 
     def member_lr(self, member: Member, lr: float) -> float:
-        rates = self.state.run_rates
-        return lr if rates is None else rates.last_lr(member.index)
+        schedules = self.state.run_rates
+        return lr if schedules is None else schedules.last_lr(member.index)
 
     def payloads(self) -> list[dict[str, Any]]:
         """As alone (:meth:`Trainer.payloads`), each with its own run's rates and the form of

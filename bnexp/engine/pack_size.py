@@ -42,7 +42,7 @@ from torch import nn
 from bnexp.data import build_data
 from bnexp.engine.amp_compile import AmpCompileWrapper
 from bnexp.engine.callbacks import Callback, TrainState
-from bnexp.engine.identity import PER_RUN_KEYS
+from bnexp.engine.identity import shared_settings
 from bnexp.engine.method_hooks import WeightNormLog, method_callbacks
 from bnexp.engine.optim import build_optimizer, build_schedule
 from bnexp.engine.trainer import train_step
@@ -217,10 +217,7 @@ def pack_kind(cfg: DictConfig) -> str:
     """What decides a pack's step time besides K and the data's shapes: the model, norm, act,
     batch, precision and memory layout, without the per-run settings (a pack of other rho or
     seeds is the same kind)."""
-    tree = OmegaConf.to_container(cfg, resolve=True)
-    for key in PER_RUN_KEYS:
-        section, _, name = key.rpartition(".")
-        tree.get(section, {}).pop(name, None)
+    tree = shared_settings(cfg)
     trainer = tree["trainer"]
     return json.dumps([tree["model"], tree["norm"], tree["act"], trainer["batch_size"], trainer.get("amp"),
                        trainer.get("channels_last")], sort_keys=True, default=str)

@@ -269,14 +269,17 @@ class NormFamily(ChannelNorm):
             return updated
         return torch.where(self.amat_steps == 0, batch, average)
 
-    def amat_mean_ratio(self, mean: Tensor) -> Tensor:
+    def amat_mean_ratio(self, mean: Tensor, updated: Optional[Tensor] = None) -> Tensor:
         """``r_mu`` of the coming training forward, given its batch mean ``mu_B``: ``mu_A / mu_B``
         with ``mu_A`` as that forward uses it (this batch averaged in first under
-        ``before_forward``), 1 on the first step and where ``|mu_B|`` is below
-        :data:`AMAT_MEAN_GUARD`, clipped into ``[-amat_r_max, amat_r_max]``. Changes nothing;
-        the forward centres with ``r_mu * mu_B`` (the ``amat`` and ``eta_tau`` probes read it)."""
+        ``before_forward``; ``updated``, that average, when the caller has it), 1 on the first
+        step and where ``|mu_B|`` is below :data:`AMAT_MEAN_GUARD`, clipped into
+        ``[-amat_r_max, amat_r_max]``. Changes nothing; the forward centres with ``r_mu * mu_B``
+        (the ``amat`` and ``eta_tau`` probes read it)."""
         with torch.no_grad():
-            mu_a = self._amat_in_use(self.amat_mean, torch.lerp(self.amat_mean, mean, self._amat_new_weight()), mean)
+            if updated is None:
+                updated = torch.lerp(self.amat_mean, mean, self._amat_new_weight())
+            mu_a = self._amat_in_use(self.amat_mean, updated, mean)
             r_mu = torch.where((self.amat_steps == 0) | (mean.abs() < AMAT_MEAN_GUARD), 1.0, mu_a / mean)
             return r_mu if self.amat_r_max is None else r_mu.clamp(-self.amat_r_max, self.amat_r_max)
 
@@ -292,8 +295,8 @@ class NormFamily(ChannelNorm):
         with torch.no_grad():
             first = self.amat_steps == 0
             new = self._amat_new_weight()
-            r_mu = self.amat_mean_ratio(mean)
             mean_a = torch.lerp(self.amat_mean, mean, new)
+            r_mu = self.amat_mean_ratio(mean, mean_a)
         sigma = self._sigma(var, self._with_beta(mean - r_mu * mean))
         with torch.no_grad():
             second = sigma.square()

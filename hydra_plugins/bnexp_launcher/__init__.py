@@ -3,10 +3,10 @@ trained as packs, by one process or by several workers per GPU.
 
 The jobs of a multirun that differ only in the keys a pack's runs may differ in (the seed,
 rho and the learning rates: :data:`bnexp.engine.identity.PER_RUN_KEYS`; the rates only under
-SGD, :func:`bnexp.engine.pack.apart`) are grouped (:func:`bnexp.app.sweep.pack_groups`) and cut into packs of distinct runs
-(:func:`bnexp.app.sweep.distinct_packs`) of at most ``trainer.pack`` runs: a number, or
-``auto`` (measured: :mod:`bnexp.engine.pack_size`); the launcher's ``max_pack`` when
-``trainer.pack`` is 1, its default. Each pack trains as one packed model
+SGD, :func:`bnexp.engine.pack.apart`) are grouped (:func:`bnexp.app.sweep.pack_groups`) and
+cut into packs of distinct runs (:func:`bnexp.app.sweep.distinct_packs`) of at most
+``trainer.pack`` runs: a number, or ``auto`` (measured: :mod:`bnexp.engine.pack_size`); the
+launcher's ``max_pack`` when ``trainer.pack`` is 1, its default. Each pack trains as one packed model
 (:mod:`bnexp.engine.pack`). A job alone in its pack, and the jobs of a group whose settings
 cannot be packed (probes, a logger, dropout: :func:`bnexp.engine.pack.unpackable`), run one
 at a time as Hydra's basic launcher runs them. Every job keeps its own run directory and
@@ -123,7 +123,7 @@ class PackLauncher(BasicLauncher):
         pack = config.trainer.get("pack", 1)
         if pack != "auto":
             return self.max_pack if pack == 1 else int(pack)
-        from bnexp.engine.pack import shared_settings
+        from bnexp.engine.identity import shared_settings
         from bnexp.engine.pack_size import measured_pack
 
         kind = fingerprint(shared_settings(task_config(config)))
