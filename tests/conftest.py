@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from bnexp.app.compose import config_dir, prepare_config_tree
 from bnexp.cli import main
-from bnexp.report import presets
+from bnexp.support.cache import CACHE_ENV
 
 torch.set_num_threads(1)
 
@@ -77,7 +77,7 @@ def bnexp_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     base = tmp_path_factory.getbasetemp()  # an xdist worker's is a subfolder of the run's
     folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "bnexp_cache"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(presets.CACHE_ENV, str(folder))
+        mp.setenv(CACHE_ENV, str(folder))
         yield
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from bnexp.bench.cli import fake_runs
 from bnexp.report import presets
+from bnexp.support.cache import CACHE_ENV
 from tests.conftest import run_cli
 
 # Each command as the README writes it, run in one fresh interpreter: whether torch and Hydra
@@ -52,7 +53,7 @@ def test_a_presets_job_configs_come_from_the_cache_until_a_config_file_changes(
     """job_configs composes once and reads the cache after; a cache file that does not hold
     the configs is composed again; a changed config file or an unusable cache folder gives
     the configs as composed."""
-    monkeypatch.setenv(presets.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     jobs = presets.load_preset("popnorm/table2", "quick").jobs
     composed = presets.compose_job_configs("popnorm/table2", "quick", jobs)
     assert presets.job_configs("popnorm/table2", "quick", jobs) == composed
@@ -62,7 +63,7 @@ def test_a_presets_job_configs_come_from_the_cache_until_a_config_file_changes(
     assert presets.job_configs("popnorm/table2", "quick", jobs) == [{"from": "the cache"}] * len(jobs)
     cached.write_text("[{")  # damaged: composed again, and written back
     assert presets.job_configs("popnorm/table2", "quick", jobs) == composed == json.loads(cached.read_text())
-    monkeypatch.setenv(presets.CACHE_ENV, str(cached / "x"))  # inside a file: no cache folder can be made there
+    monkeypatch.setenv(CACHE_ENV, str(cached / "x"))  # inside a file: no cache folder can be made there
     assert presets.job_configs("popnorm/table2", "quick", jobs) == composed
 
     key = presets.cache_key("popnorm/table2", "quick", jobs)
@@ -93,6 +94,6 @@ def test_bench_cli_times_every_command(tmp_path: Path, capsys) -> None:
     records = json.loads(out.read_text())
     assert [r["name"] for r in records] == ["bnexp --help", "bnexp --version", "complete 'bnexp tr'",
                                             "complete 'bnexp train norm=cb'",
-                                            "bnexp table popnorm/table2 (cached job configs)"]
+                                            "bnexp table popnorm/table2 (cached job configs and rows)"]
     assert all(r["seconds_median"] > 0 and r["ratio"] == r["seconds_median"] / float(r["baseline"].split()[1])
                for r in records)

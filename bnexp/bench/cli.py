@@ -5,8 +5,8 @@ shell starts it: ``bnexp --help``, ``bnexp --version``, the shell-completion que
 press runs (a command name; a config group option of ``bnexp train``), and ``bnexp table
 <preset>`` on a results folder holding the preset's whole sweep (CBN Table 1: 1,350 runs).
 That folder is written by :func:`fake_runs`, not by training. Each command runs ``warmup``
-untimed times (the table's first call composes its job configs into a fresh cache folder),
-then ``reps`` times. ``ratio`` is the median seconds over the command's target
+untimed times (the table's first call composes its job configs into a fresh cache folder
+and keeps its runs' rows there), then ``reps`` times. ``ratio`` is the median seconds over the command's target
 (:data:`TARGETS`): below 1 meets it.
 """
 
@@ -29,7 +29,8 @@ from omegaconf import OmegaConf
 from bnexp.app.compose import hydra_session, is_group, parser
 from bnexp.bench.common import Record, device_of, record
 from bnexp.engine.identity import cell_name, fingerprint, flatten
-from bnexp.report.presets import CACHE_ENV, job_configs, load_preset, preset_overrides
+from bnexp.report.presets import job_configs, load_preset, preset_overrides
+from bnexp.support.cache import CACHE_ENV
 from bnexp.support.errors import ConfigError
 
 DEFAULTS: dict[str, Any] = {"reps": 5, "warmup": 1, "device": "cpu", "threads": 0, "preset": "cbn/table1",
@@ -47,7 +48,8 @@ def commands(preset: str, results: Path) -> dict[str, tuple[list[str], dict[str,
         "complete 'bnexp tr'": (["-sc", "query=bash"], {"COMP_LINE": "bnexp tr"}, TARGETS["complete"]),
         "complete 'bnexp train norm=cb'": (["-sc", "query=bash"], {"COMP_LINE": "bnexp train norm=cb"},
                                            TARGETS["complete"]),
-        f"bnexp table {preset} (cached job configs)": (["table", preset, f"results={results}"], {}, TARGETS["table"]),
+        f"bnexp table {preset} (cached job configs and rows)": (["table", preset, f"results={results}"], {},
+                                                                TARGETS["table"]),
     }
 
 

@@ -202,7 +202,13 @@ def _canonical(value: Any) -> Any:
 
 def fingerprint(cfg: DictConfig | Mapping[str, Any]) -> str:
     """A short hash of :func:`result_config`: equal for runs that compute the same thing."""
-    return short_hash(json.dumps(result_config(cfg), sort_keys=True, default=str), FINGERPRINT_CHARS)
+    return result_fingerprint(result_config(cfg))
+
+
+def result_fingerprint(result: Mapping[str, Any]) -> str:
+    """:func:`fingerprint` of a config given as its result config (which :func:`result_config`
+    leaves as it is), without deriving that again."""
+    return short_hash(json.dumps(result, sort_keys=True, default=str), FINGERPRINT_CHARS)
 
 
 def run_differences(there: Mapping[str, Any], here: DictConfig, recorded: Mapping[str, Any] | None = None) -> str:

@@ -29,12 +29,12 @@ from typing import Any, Mapping, Optional, Sequence
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-import bnexp
 from bnexp.app.cmdline import compose_or_explain
 from bnexp.app.compose import config_dir, hydra_session, is_group, parser
 from bnexp.app.sweep import Job, Values, expand, parse_values, select, sweep_lines, union
-from bnexp.engine.identity import fingerprint, override_key, result_config
+from bnexp.engine.identity import override_key, result_config, result_fingerprint
 from bnexp.report.layouts import Layout, layout_from
+from bnexp.support.cache import cache_dir, package_dir, tree_digest
 from bnexp.support.errors import ConfigError, unknown_choice
 from bnexp.support.options import split_options
 from bnexp.support.registry import PLUGINS_ENV, plugin_config_dirs
@@ -113,7 +113,7 @@ class Preset:
         """The result config (dotted keys, :func:`bnexp.engine.identity.result_config`) of every run
         the sweeps make, by fingerprint: a run belongs to the preset's table when its
         fingerprint is one of these."""
-        return {fingerprint(c): c for c in job_configs(self.name, self.scale, self.jobs)}
+        return {result_fingerprint(c): c for c in job_configs(self.name, self.scale, self.jobs)}
 
     @property
     def seeds(self) -> list[int]:
@@ -138,17 +138,6 @@ def load_preset(name: str, scale: str = "full", overrides: Sequence[str] = ()) -
         given = parse_values([*sweep_lines(params), *task], parser())
         sweeps = tuple(select([parse_values(sweep_lines(s), parser()) for s in preset_sweeps], given))
     return Preset(name, scale, cfg, tuple(overrides), tuple(task), tuple(sweep_lines(params)), sweeps)
-
-
-CACHE_ENV = "BNEXP_CACHE_DIR"  # where bnexp keeps what it can compute again (see cache_dir)
-
-
-def cache_dir() -> Path:
-    """bnexp's cache folder: ``$BNEXP_CACHE_DIR``, else ``bnexp`` in ``$XDG_CACHE_HOME``
-    (``~/.cache``). Anything in it may be deleted at any time."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bnexp"
 
 
 def job_configs(name: str, scale: str, jobs: Sequence[Job]) -> list[dict[str, Any]]:
@@ -195,11 +184,8 @@ def cache_key(name: str, scale: str, jobs: Sequence[Job]) -> str:
     Hydra and OmegaConf."""
     digest = hashlib.sha256(json.dumps([name, scale, [list(job) for job in jobs], os.environ.get(PLUGINS_ENV, ""),
                                         metadata.version("hydra-core"), metadata.version("omegaconf")]).encode())
-    package = Path(bnexp.__file__).resolve().parent
-    for root in (config_dir(), *plugin_config_dirs(), package, package.parent / "hydra_plugins" / "bnexp_searchpath"):
-        for path in sorted(p for p in Path(root).rglob("*") if p.is_file() and "__pycache__" not in p.parts):
-            digest.update(f"\0{path.relative_to(root)}\0".encode())
-            digest.update(path.read_bytes())
+    package = package_dir()
+    tree_digest(digest, (config_dir(), *plugin_config_dirs(), package, package.parent / "hydra_plugins" / "bnexp_searchpath"))
     return digest.hexdigest()[:32]
 
 

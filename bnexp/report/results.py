@@ -15,10 +15,14 @@ says which copy it took. :func:`load_runs` is the documented entry point for scr
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
+import os
 import re
 import reprlib
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -27,9 +31,11 @@ import yaml
 
 from bnexp.app.cells import CELLS
 from bnexp.app.cells import listed as cells_listed
-from bnexp.engine.identity import fingerprint, flatten, result_config, short_hash
+from bnexp.engine.identity import flatten, result_config, result_fingerprint, short_hash
+from bnexp.support.cache import cache_dir, file_state, package_dir, tree_digest
 from bnexp.support.errors import DataError
 from bnexp.support.options import print_warning
+from bnexp.support.runinfo import atomic_write
 from bnexp.support.untrusted import RECORD_FILE, TABLE_FILE, read_regular_text, text_stream
 
 # PyYAML's safe loader on libyaml's parser where PyYAML was built with it (the same lists of
@@ -37,6 +43,8 @@ from bnexp.support.untrusted import RECORD_FILE, TABLE_FILE, read_regular_text, 
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 # The summary fields that tables and plots compute with: a number or null in any summary.
 REPLICATES = ("trainer.seed",)  # overrides whose runs a cell pools
+SUMMARY = "summary.json"
+ROWS_FORMAT = 1  # the RowCache file's layout
 NUMERIC_FIELDS = re.compile(r"(final|best)_\w+|steps_per_epoch|num_classes|wall_seconds|epochs|steps|params")
 
 
@@ -157,7 +165,7 @@ def summary_row(path: Path) -> Optional[dict[str, Any]]:
         # flattened config (without one), it gives the same and flattens once less; and the
         # config's fingerprint is its result config's, computed once
         result = result_config(config if "hydra" in config else flat)
-        identity = {"result_config": result, "fingerprint": fingerprint(result)}
+        identity = {"result_config": result, "fingerprint": result_fingerprint(result)}
     except RecursionError:  # a config that parsed but nests deeper than flattening it can follow
         return failed_row(DataError(f"{path}: 'config' is nested too deeply"), where)
     except DataError as err:
@@ -176,18 +184,77 @@ def failed_row(err: DataError, where: dict[str, str]) -> dict[str, Any]:
 def run_dirs(folder: Path) -> list[Path]:
     """The run directories of a results folder, each once: those under it holding a
     summary.json, then those its sweep folders list (:mod:`bnexp.app.cells`: the cells of an
-    ad-hoc sweep train where single runs do) that hold one."""
-    inside = [p.parent for p in sorted(Path(folder).rglob("summary.json"))]
-    listed = [d for lists in sorted(Path(folder).rglob(CELLS)) for d in cells_listed(lists.parent)]
-    unique = {d.resolve(): d for d in [*inside, *(d for d in listed if (d / "summary.json").is_file())]}
-    return list(unique.values())
+    ad-hoc sweep train where single runs do) that hold one. One walk of the tree finds both,
+    as ``Path.rglob`` would: every entry of that name, symbolic links to folders not followed."""
+    found: dict[str, list[Path]] = {SUMMARY: [], CELLS: []}
+    for root, dirs, files in os.walk(folder):
+        for name in {SUMMARY, CELLS}.intersection(dirs + files):
+            found[name].append(Path(root, name))
+    inside = [p.parent for p in sorted(found[SUMMARY])]
+    listed = [d for lists in sorted(found[CELLS]) for d in cells_listed(lists.parent) if (d / SUMMARY).is_file()]
+    if not listed:  # one walk names each folder once
+        return inside
+    return list({d.resolve(): d for d in [*inside, *listed]}.values())
+
+
+class RowCache:
+    """The rows :func:`summary_row` gave for a results folder's runs, kept in bnexp's cache
+    folder (:mod:`bnexp.support.cache`) with the state of each run's summary.json and
+    overrides.yaml (inode, size, times) and under a digest of bnexp's code: a run whose two
+    files are as they were is not read again. Rows with a warning (unreadable files) and files
+    changed in the last :data:`~bnexp.support.cache.RACY_SECONDS` are never kept. The file is
+    JSON, checked entry by entry as it is read; one that cannot be read is an empty cache."""
+
+    def __init__(self, results: Path) -> None:
+        digest = hashlib.sha256(f"{ROWS_FORMAT}\0{os.path.abspath(results)}".encode())
+        tree_digest(digest, (package_dir(),))
+        self.path = cache_dir() / "summary_rows" / f"{digest.hexdigest()[:32]}.json"
+        self.kept = self.read()
+        self.now = time.time_ns()
+        self.rows: dict[str, list[Any]] = {}
+
+    def read(self) -> dict[str, Any]:
+        """The cache file's entries; empty when it is missing or not a JSON object."""
+        try:
+            entries = json.loads(self.path.read_bytes())
+        except (OSError, ValueError, RecursionError):
+            return {}
+        return entries if isinstance(entries, dict) else {}
+
+    def row(self, run_dir: Path) -> Optional[dict[str, Any]]:
+        """The run's row: the kept one when its files are unchanged, else :func:`summary_row`'s."""
+        key = os.path.abspath(run_dir)
+        states = [file_state(run_dir / SUMMARY, self.now), file_state(run_dir / ".hydra" / "overrides.yaml", self.now)]
+        kept = self.kept.get(key)
+        if None not in states and isinstance(kept, list) and len(kept) == 2 and kept[0] == states \
+                and isinstance(kept[1], dict):
+            self.rows[key] = kept
+            return {**kept[1], "run_dir": str(run_dir)}
+        row = summary_row(run_dir / SUMMARY)
+        if row is not None and row.get("fingerprint") is not None and None not in states:
+            self.rows[key] = [states, row]
+        return row
+
+    def save(self) -> None:
+        """Write the rows of this command's runs unless the file holds exactly those; a cache
+        that cannot be written is passed over."""
+        if self.rows.keys() == self.kept.keys() and all(self.kept[k] is v for k, v in self.rows.items()):
+            return
+        try:
+            text = json.dumps(self.rows)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.path, lambda f: f.write(text.encode()))
+        except (OSError, TypeError, ValueError):
+            pass
 
 
 def load_summaries(results: Path) -> pd.DataFrame:
-    """Every run of :func:`run_dirs`, one row each, a run that sits there more than once
-    counted once (:func:`counted_once`); seeds started from a replaced weights file are named
-    (:func:`warn_pooled_weights`)."""
-    rows = [row for row in (summary_row(d / "summary.json") for d in run_dirs(results)) if row is not None]
+    """Every run of :func:`run_dirs`, one row each (through the :class:`RowCache`), a run that
+    sits there more than once counted once (:func:`counted_once`); seeds started from a
+    replaced weights file are named (:func:`warn_pooled_weights`)."""
+    cache = RowCache(Path(results))
+    rows = [row for row in (cache.row(d) for d in run_dirs(results)) if row is not None]
+    cache.save()
     frame = counted_once(pd.DataFrame(rows), Path(results))
     warn_pooled_weights(frame, Path(results))
     return frame
@@ -203,7 +270,8 @@ def copy_key(frame: pd.DataFrame) -> pd.Series:
     """What the copies of one run share: its :func:`run_identity` and its overrides (None for
     a run without an identity, which is never taken for a copy)."""
     given = sorted(c for c in frame.columns if c.startswith("overrides."))
-    settings = frame[given].map(str).agg("|".join, axis=1) if given else ""  # NaN: a key the run was not given
+    # each run's overrides as text joined by "|" (NaN: a key the run was not given)
+    settings = functools.reduce(lambda a, b: a + "|" + b, (frame[c].map(str) for c in given)) if given else ""
     identity = frame["run_identity"]
     return (identity.fillna("").astype(str) + "|" + settings).where(identity.notna())
 

@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import pandas as pd
 
 from bnexp.engine.identity import differences, is_non_result
@@ -21,12 +22,30 @@ from bnexp.support.errors import ConfigError
 
 def select(frame: pd.DataFrame, keys: Mapping[str, Any]) -> pd.DataFrame:
     """The runs whose config matches every key (none when a key was never recorded)."""
-    mask = pd.Series(True, index=frame.index)
+    mask = np.ones(len(frame), dtype=bool)
     for key, value in keys.items():
         if key not in frame:
             return frame.iloc[0:0]
-        mask &= frame[key].map(lambda v: same(v, value)).astype(bool)
+        mask &= matches(frame[key], value)
     return frame[mask]
+
+
+def matches(column: pd.Series, value: Any) -> np.ndarray:
+    """:func:`~bnexp.report.layouts.same` of each entry of ``column`` and ``value``, computed
+    once per distinct hashable entry of each type (``True`` and ``1`` are one key to a dict, not
+    one text)."""
+    known: dict[tuple[type, Any], bool] = {}
+
+    def test(entry: Any) -> bool:
+        try:
+            return known[type(entry), entry]
+        except KeyError:
+            known[type(entry), entry] = found = same(entry, value)
+            return found
+        except TypeError:  # unhashable: a list
+            return same(entry, value)
+
+    return np.fromiter(map(test, column.tolist()), dtype=bool, count=len(column))
 
 
 def completed(runs: pd.DataFrame, metric: str) -> pd.DataFrame:

@@ -282,6 +282,18 @@ def with_metrics(frame: pd.DataFrame, layout: Layout) -> pd.DataFrame:
     return frame
 
 
+# What a cell reads of a run besides its layout's keys: the stability rule of a tuned cell
+# (bnexp.report.stability) reads the run's folder, class count and any recorded collapse.
+CELL_FIELDS = ("status", SEED, "run_dir", "num_classes", "collapsed", *METRICS.values())
+
+
+def cell_columns(frame: pd.DataFrame, layout: Layout) -> pd.DataFrame:
+    """``frame`` with only the columns a table's cells read (:data:`CELL_FIELDS` and the
+    layout's keys): selecting the runs of each cell then copies a few columns, not all."""
+    used = {*CELL_FIELDS, *(a.key for a in (*layout.rows, *layout.columns)), layout.tune}
+    return frame[[c for c in frame.columns if c in used]]
+
+
 def build(layout: Layout, frame: pd.DataFrame, default_seed: int = 0, tests: Tests = Tests()) -> pd.DataFrame:
     """The table as text: row label columns, flag columns, then per column ours/paper/Δ/test.
 
@@ -289,7 +301,7 @@ def build(layout: Layout, frame: pd.DataFrame, default_seed: int = 0, tests: Tes
     only are left out. The cells, their verdicts and ``tests`` ride along in ``table.attrs``
     for the closing lines (:func:`legend_of`); runs not ``tests.comparable`` get no verdicts.
     """
-    frame = with_metrics(frame, layout)
+    frame = cell_columns(with_metrics(frame, layout), layout)
     rows, cols = combos(layout.rows), combos(layout.columns)
 
     def made(keys: Mapping[str, Any]) -> bool:

@@ -1,0 +1,57 @@
+"""bnexp's cache folder: what it can compute again, kept between commands.
+
+Two things live there: the result configs of a preset's jobs (:func:`bnexp.report.presets.job_configs`)
+and the rows a results folder's summaries give (:class:`bnexp.report.results.RowCache`). Every
+entry is keyed by what it was computed from, bnexp's own files included (:func:`tree_digest`),
+and is plain JSON, never a pickle. Anything in the folder may be deleted at any time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Iterable, Optional
+
+import bnexp
+
+CACHE_ENV = "BNEXP_CACHE_DIR"  # where bnexp keeps what it can compute again (see cache_dir)
+# A file whose modification or change time is this recent when it is read is not trusted to
+# a cache: a file system's clock ticks coarsely (milliseconds, up to seconds), so a second
+# write within the same tick of the same size would leave every recorded state unchanged (the
+# "racy" entries of git's index).
+RACY_SECONDS = 2.0
+
+
+def cache_dir() -> Path:
+    """bnexp's cache folder: ``$BNEXP_CACHE_DIR``, else ``bnexp`` in ``$XDG_CACHE_HOME``
+    (``~/.cache``). Anything in it may be deleted at any time."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bnexp"
+
+
+def package_dir() -> Path:
+    """The folder of the installed bnexp package."""
+    return Path(bnexp.__file__).resolve().parent
+
+
+def tree_digest(digest: "hashlib._Hash", roots: Iterable[Path]) -> None:
+    """Feed every file under ``roots`` (names and contents, bytecode caches left out) into ``digest``."""
+    for root in roots:
+        for path in sorted(p for p in Path(root).rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+            digest.update(f"\0{path.relative_to(root)}\0".encode())
+            digest.update(path.read_bytes())
+
+
+def file_state(path: Path, now_ns: int) -> Optional[list[int]]:
+    """What changes when a file is written, replaced or touched (device, inode, size, and
+    modification and change times in nanoseconds); empty when there is no such file; None
+    when it changed within :data:`RACY_SECONDS` of ``now_ns`` (see there), so not to be cached."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    if now_ns - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_SECONDS * 1e9:
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
