@@ -88,7 +88,7 @@ def test_a_changed_added_or_removed_run_is_read_again(tmp_path: Path, monkeypatc
     assert sorted(read) == ["run0", "run1", "run2", "run99"]
     pd.testing.assert_frame_equal(frame, uncached(tmp_path))
     assert set(frame["final_top1"]) >= {70.0, 71.0} and frame["overrides.act"].dropna().tolist() == ["tanh"]
-    kept = json.loads(RowCache(tmp_path).path.read_text())
+    kept = json.loads(RowCache(tmp_path).path.read_text())["rows"]
     assert len(kept) == len(frame) == 12 and not any(key.endswith("run3") for key in kept)
 
 
@@ -96,9 +96,11 @@ def test_recent_files_and_rows_with_warnings_are_never_kept(tmp_path: Path, monk
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """Files written within the racy window are read every time; an unreadable summary (a failed
     row) and unreadable overrides (a run left out) warn every time; a cache file that is not
-    JSON, or holds entries of the wrong shape, is an empty cache."""
+    JSON, holds entries of the wrong shape or was written by other bnexp code is an empty
+    cache; without a cache folder, every row is read."""
     write_runs(tmp_path)
     read = rows_read(monkeypatch)
+    monkeypatch.setattr(cache, "RACY_SECONDS", 1e9)  # every file is recent
     load_summaries(tmp_path)
     load_summaries(tmp_path)
     assert len(read) == 24 and not RowCache(tmp_path).path.exists()
@@ -114,14 +116,23 @@ def test_recent_files_and_rows_with_warnings_are_never_kept(tmp_path: Path, monk
         assert len(frame) == 11 and "run0" in read and "run1" in read
     assert sorted(read) == ["run0", "run1"]
     path, run2 = RowCache(tmp_path).path, tmp_path / "run2"
+    held = json.loads(path.read_text())
     states = [cache.file_state(run2 / "summary.json", time.time_ns()), []]
-    assert json.loads(path.read_text())[str(run2)][0] == states
-    for text in ("{not json", "[1, 2]", json.dumps({str(run2): [1, 2, 3]}), json.dumps({str(run2): [states, "no row"]})):
+    assert held["rows"][str(run2)][0] == states
+    for text in ("{not json", "[1, 2]", json.dumps({**held, "code": "other code"}),
+                 json.dumps({**held, "rows": {str(run2): [1, 2, 3]}}),
+                 json.dumps({**held, "rows": {str(run2): [states, "no row"]}})):
         path.write_text(text)
         read.clear()
         frame = load_summaries(tmp_path)
         assert "run2" in read
         pd.testing.assert_frame_equal(frame, uncached(tmp_path))
+    monkeypatch.delenv(cache.CACHE_ENV)
+    monkeypatch.delenv("HOME")
+    monkeypatch.setattr(Path, "home", lambda: (_ for _ in ()).throw(RuntimeError("no home")))
+    read.clear()
+    pd.testing.assert_frame_equal(load_summaries(tmp_path), uncached(tmp_path))
+    assert len(read) == 24
 
 
 def rglob_run_dirs(folder: Path) -> list[Path]:
@@ -134,8 +145,8 @@ def rglob_run_dirs(folder: Path) -> list[Path]:
 
 def test_one_walk_finds_the_runs_rglob_finds(tmp_path: Path) -> None:
     """Nested runs, a hidden folder, a folder named summary.json, a symbolic link to a run's
-    folder (not followed) and to a summary file, and a sweep folder listing cells elsewhere
-    (one also under the tree): the same folders in the same order as two rglob walks."""
+    folder (not followed), to a summary file and to nothing, and a sweep folder listing cells
+    elsewhere (one also under the tree): the same folders in the same order as two rglob walks."""
     write_runs(tmp_path / "tree" / "a")
     (tmp_path / "tree" / ".hidden" / "r").mkdir(parents=True)
     (tmp_path / "tree" / ".hidden" / "r" / "summary.json").write_text("{}")
@@ -143,6 +154,8 @@ def test_one_walk_finds_the_runs_rglob_finds(tmp_path: Path) -> None:
     (tmp_path / "tree" / "link").symlink_to(tmp_path / "tree" / "a" / "run0")
     (tmp_path / "tree" / "file_link").mkdir()
     (tmp_path / "tree" / "file_link" / "summary.json").symlink_to(tmp_path / "tree" / "a" / "run1" / "summary.json")
+    (tmp_path / "tree" / "dangling").mkdir()
+    (tmp_path / "tree" / "dangling" / "summary.json").symlink_to(tmp_path / "nowhere.json")
     write_runs(tmp_path / "elsewhere")
     (tmp_path / "tree" / "sweep").mkdir()
     (tmp_path / "tree" / "sweep" / CELLS).write_text("../../elsewhere/run4\n../a/run5\n../../elsewhere/run0\nnope\n")
@@ -155,13 +168,14 @@ def test_one_walk_finds_the_runs_rglob_finds(tmp_path: Path) -> None:
 
 def test_select_matches_each_entry_as_same_does() -> None:
     """select's per-value memo gives what same() gives entry by entry, on a column mixing
-    numbers, their text, booleans, NaN, None and lists."""
+    numbers, their text, booleans, NaN, None, lists and tuples."""
     from bnexp.report.layouts import same
     from bnexp.report.selection import select
 
-    entries = [1, 1.0, "1", "1.0", True, False, 0, "True", "true", math.nan, None, [15, 25], "[15, 25]", 2.5, "x"]
+    entries = [1, 1.0, "1", "1.0", True, False, 0, "True", "true", math.nan, None, [15, 25], "[15, 25]", 2.5, "x",
+               (1, 2), (1.0, 2)]
     frame = pd.DataFrame({"k": pd.Series(entries * 2, dtype=object), "n": range(2 * len(entries))})
-    for value in [*entries, "2.50", 0.0]:
+    for value in [*entries, "2.50", 0.0, "(1.0, 2)"]:
         expected = [i for i, entry in enumerate(entries * 2) if same(entry, value)]
         assert select(frame, {"k": value})["n"].tolist() == expected, value
     assert select(frame, {"missing": 1}).empty

@@ -6,7 +6,8 @@ press runs (a command name; a config group option of ``bnexp train``), and ``bne
 <preset>`` on a results folder holding the preset's whole sweep (CBN Table 1: 1,350 runs).
 That folder is written by :func:`fake_runs`, not by training. Each command runs ``warmup``
 untimed times (the table's first call composes its job configs into a fresh cache folder
-and keeps its runs' rows there), then ``reps`` times. ``ratio`` is the median seconds over the command's target
+and keeps there the rows of the runs written more than two seconds before), then ``reps``
+times. ``ratio`` is the median seconds over the command's target
 (:data:`TARGETS`): below 1 meets it.
 """
 

@@ -34,7 +34,7 @@ from bnexp.app.compose import config_dir, hydra_session, is_group, parser
 from bnexp.app.sweep import Job, Values, expand, parse_values, select, sweep_lines, union
 from bnexp.engine.identity import override_key, result_config, result_fingerprint
 from bnexp.report.layouts import Layout, layout_from
-from bnexp.support.cache import cache_dir, package_dir, tree_digest
+from bnexp.support.cache import cache_dir, package_digest, package_dir, tree_digest
 from bnexp.support.errors import ConfigError, unknown_choice
 from bnexp.support.options import split_options
 from bnexp.support.registry import PLUGINS_ENV, plugin_config_dirs
@@ -146,8 +146,8 @@ def job_configs(name: str, scale: str, jobs: Sequence[Job]) -> list[dict[str, An
     composed before with the same config files, bnexp code and Hydra (:func:`cache_key`).
     Callers at the same time wait for the first to compose; where the cache cannot be read
     or written, the configs are composed without it."""
-    path = cache_dir() / "job_configs" / f"{cache_key(name, scale, jobs)}.json"
     try:
+        path = cache_dir() / "job_configs" / f"{cache_key(name, scale, jobs)}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_suffix(".lock"), "w")
     except OSError:
@@ -184,8 +184,9 @@ def cache_key(name: str, scale: str, jobs: Sequence[Job]) -> str:
     Hydra and OmegaConf."""
     digest = hashlib.sha256(json.dumps([name, scale, [list(job) for job in jobs], os.environ.get(PLUGINS_ENV, ""),
                                         metadata.version("hydra-core"), metadata.version("omegaconf")]).encode())
-    package = package_dir()
-    tree_digest(digest, (config_dir(), *plugin_config_dirs(), package, package.parent / "hydra_plugins" / "bnexp_searchpath"))
+    digest.update(package_digest().encode())
+    searchpath = package_dir().parent / "hydra_plugins" / "bnexp_searchpath"
+    tree_digest(digest, (config_dir(), *plugin_config_dirs(), searchpath))
     return digest.hexdigest()[:32]
 
 

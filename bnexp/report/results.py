@@ -24,7 +24,7 @@ import re
 import reprlib
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import pandas as pd
 import yaml
@@ -32,19 +32,19 @@ import yaml
 from bnexp.app.cells import CELLS
 from bnexp.app.cells import listed as cells_listed
 from bnexp.engine.identity import flatten, result_config, result_fingerprint, short_hash
-from bnexp.support.cache import cache_dir, file_state, package_dir, tree_digest
+from bnexp.support.cache import cache_dir, file_state, package_digest, write_cache
 from bnexp.support.errors import DataError
 from bnexp.support.options import print_warning
-from bnexp.support.runinfo import atomic_write
-from bnexp.support.untrusted import RECORD_FILE, TABLE_FILE, read_regular_text, text_stream
+from bnexp.support.untrusted import RECORD_FILE, TABLE_FILE, read_regular, read_regular_text, text_stream
 
 # PyYAML's safe loader on libyaml's parser where PyYAML was built with it (the same lists of
 # strings, read several times faster: a table reads one overrides.yaml per run).
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-# The summary fields that tables and plots compute with: a number or null in any summary.
 REPLICATES = ("trainer.seed",)  # overrides whose runs a cell pools
 SUMMARY = "summary.json"
 ROWS_FORMAT = 1  # the RowCache file's layout
+NAMES = frozenset((SUMMARY, CELLS))  # the files run_dirs looks for
+# The summary fields that tables and plots compute with: a number or null in any summary.
 NUMERIC_FIELDS = re.compile(r"(final|best)_\w+|steps_per_epoch|num_classes|wall_seconds|epochs|steps|params")
 
 
@@ -184,12 +184,18 @@ def failed_row(err: DataError, where: dict[str, str]) -> dict[str, Any]:
 def run_dirs(folder: Path) -> list[Path]:
     """The run directories of a results folder, each once: those under it holding a
     summary.json, then those its sweep folders list (:mod:`bnexp.app.cells`: the cells of an
-    ad-hoc sweep train where single runs do) that hold one. One walk of the tree finds both,
-    as ``Path.rglob`` would: every entry of that name, symbolic links to folders not followed."""
+    ad-hoc sweep train where single runs do) that hold one. One walk of the tree finds both
+    as ``Path.rglob`` does: an entry of that name that exists (a link followed to its target),
+    also in a folder that can be entered but not listed; links to folders are not walked."""
     found: dict[str, list[Path]] = {SUMMARY: [], CELLS: []}
-    for root, dirs, files in os.walk(folder):
-        for name in {SUMMARY, CELLS}.intersection(dirs + files):
-            found[name].append(Path(root, name))
+
+    def add(root: str, names: Iterable[str]) -> None:
+        for name in NAMES.intersection(names):
+            if os.path.exists(path := Path(root, name)):
+                found[name].append(path)
+
+    for root, dirs, files in os.walk(folder, onerror=lambda err: add(err.filename, NAMES)):
+        add(root, dirs + files)
     inside = [p.parent for p in sorted(found[SUMMARY])]
     listed = [d for lists in sorted(found[CELLS]) for d in cells_listed(lists.parent) if (d / SUMMARY).is_file()]
     if not listed:  # one walk names each folder once
@@ -199,27 +205,33 @@ def run_dirs(folder: Path) -> list[Path]:
 
 class RowCache:
     """The rows :func:`summary_row` gave for a results folder's runs, kept in bnexp's cache
-    folder (:mod:`bnexp.support.cache`) with the state of each run's summary.json and
-    overrides.yaml (inode, size, times) and under a digest of bnexp's code: a run whose two
-    files are as they were is not read again. Rows with a warning (unreadable files) and files
-    changed in the last :data:`~bnexp.support.cache.RACY_SECONDS` are never kept. The file is
-    JSON, checked entry by entry as it is read; one that cannot be read is an empty cache."""
+    folder (:mod:`bnexp.support.cache`), one file per results folder, with the state of each
+    run's summary.json and overrides.yaml (inode, size, times): a run whose two files are as
+    they were is not read again. Rows with a warning (unreadable files) and files changed in
+    the last :data:`~bnexp.support.cache.RACY_SECONDS` are never kept. The file is JSON made
+    by bnexp (the cache folder is the user's own), dropped whole when bnexp's files changed,
+    and each entry is checked for its shape as it is looked up; a file that cannot be used is
+    an empty cache, and without a cache folder nothing is kept."""
 
     def __init__(self, results: Path) -> None:
-        digest = hashlib.sha256(f"{ROWS_FORMAT}\0{os.path.abspath(results)}".encode())
-        tree_digest(digest, (package_dir(),))
-        self.path = cache_dir() / "summary_rows" / f"{digest.hexdigest()[:32]}.json"
+        try:
+            name = hashlib.sha256(os.path.abspath(results).encode()).hexdigest()[:32]
+            self.path: Optional[Path] = cache_dir() / "summary_rows" / f"{name}.json"
+        except OSError:
+            self.path = None
+        self.code = f"{ROWS_FORMAT}:{package_digest()}"
         self.kept = self.read()
         self.now = time.time_ns()
         self.rows: dict[str, list[Any]] = {}
 
     def read(self) -> dict[str, Any]:
-        """The cache file's entries; empty when it is missing or not a JSON object."""
+        """The file's rows when it holds rows of this bnexp's code; empty otherwise."""
         try:
-            entries = json.loads(self.path.read_bytes())
+            held = json.loads(read_regular(self.path, TABLE_FILE)) if self.path else {}
         except (OSError, ValueError, RecursionError):
             return {}
-        return entries if isinstance(entries, dict) else {}
+        rows = held.get("rows") if isinstance(held, dict) and held.get("code") == self.code else None
+        return rows if isinstance(rows, dict) else {}
 
     def row(self, run_dir: Path) -> Optional[dict[str, Any]]:
         """The run's row: the kept one when its files are unchanged, else :func:`summary_row`'s."""
@@ -238,12 +250,11 @@ class RowCache:
     def save(self) -> None:
         """Write the rows of this command's runs unless the file holds exactly those; a cache
         that cannot be written is passed over."""
-        if self.rows.keys() == self.kept.keys() and all(self.kept[k] is v for k, v in self.rows.items()):
+        if self.path is None or (self.rows.keys() == self.kept.keys()
+                                 and all(self.kept[k] is v for k, v in self.rows.items())):
             return
         try:
-            text = json.dumps(self.rows)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(self.path, lambda f: f.write(text.encode()))
+            write_cache(self.path, json.dumps({"code": self.code, "rows": self.rows}).encode())
         except (OSError, TypeError, ValueError):
             pass
 

@@ -30,20 +30,22 @@ def select(frame: pd.DataFrame, keys: Mapping[str, Any]) -> pd.DataFrame:
     return frame[mask]
 
 
+SCALARS = (str, int, float, bool, type(None))  # the entries matches keeps a result for
+
+
 def matches(column: pd.Series, value: Any) -> np.ndarray:
     """:func:`~bnexp.report.layouts.same` of each entry of ``column`` and ``value``, computed
-    once per distinct hashable entry of each type (``True`` and ``1`` are one key to a dict, not
-    one text)."""
+    once per distinct text, number, boolean or None of each type (``True`` and ``1`` are one key
+    to a dict, not one text; equal tuples may differ as text, so other entries are compared
+    one by one)."""
     known: dict[tuple[type, Any], bool] = {}
 
     def test(entry: Any) -> bool:
-        try:
-            return known[type(entry), entry]
-        except KeyError:
-            known[type(entry), entry] = found = same(entry, value)
-            return found
-        except TypeError:  # unhashable: a list
+        if type(entry) not in SCALARS:
             return same(entry, value)
+        if (type(entry), entry) not in known:
+            known[type(entry), entry] = same(entry, value)
+        return known[type(entry), entry]
 
     return np.fromiter(map(test, column.tolist()), dtype=bool, count=len(column))
 

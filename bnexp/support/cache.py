@@ -8,32 +8,49 @@ and is plain JSON, never a pickle. Anything in the folder may be deleted at any 
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import hashlib
 import os
 from pathlib import Path
 from typing import Iterable, Optional
 
 import bnexp
+from bnexp.support.runinfo import atomic_write
 
 CACHE_ENV = "BNEXP_CACHE_DIR"  # where bnexp keeps what it can compute again (see cache_dir)
 # A file whose modification or change time is this recent when it is read is not trusted to
 # a cache: a file system's clock ticks coarsely (milliseconds, up to seconds), so a second
 # write within the same tick of the same size would leave every recorded state unchanged (the
-# "racy" entries of git's index).
+# "racy" entries of git's index). A network file system whose server's clock lags by more
+# than this leaves in-place edits exposed; bnexp itself replaces a summary (a new inode).
 RACY_SECONDS = 2.0
 
 
 def cache_dir() -> Path:
     """bnexp's cache folder: ``$BNEXP_CACHE_DIR``, else ``bnexp`` in ``$XDG_CACHE_HOME``
-    (``~/.cache``). Anything in it may be deleted at any time."""
+    (``~/.cache``); an OSError when there is no home folder to put it in. Anything in it may
+    be deleted at any time."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bnexp"
+    try:
+        home = Path.home()
+    except RuntimeError as err:  # no $HOME and no passwd entry
+        raise OSError(f"no cache folder: {err}") from None
+    return Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache") / "bnexp"
 
 
 def package_dir() -> Path:
     """The folder of the installed bnexp package."""
     return Path(bnexp.__file__).resolve().parent
+
+
+@functools.cache
+def package_digest() -> str:
+    """A digest of bnexp's own files (code, configs, tables), computed once per process."""
+    digest = hashlib.sha256()
+    tree_digest(digest, (package_dir(),))
+    return digest.hexdigest()
 
 
 def tree_digest(digest: "hashlib._Hash", roots: Iterable[Path]) -> None:
@@ -55,3 +72,12 @@ def file_state(path: Path, now_ns: int) -> Optional[list[int]]:
     if now_ns - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_SECONDS * 1e9:
         return None
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def write_cache(path: Path, data: bytes) -> None:
+    """Write a cache file whole, one command at a time (a lock beside it); an OSError when
+    the folder cannot be made or written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+        atomic_write(path, lambda f: f.write(data))
