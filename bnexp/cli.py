@@ -119,6 +119,12 @@ def completion(argv: list[str]) -> None:
         print(("\n" if query == "fish" else " ").join(name for name in COMMANDS if name.startswith(typed)))
         return
     if words[1] == "train":
+        from bnexp.app.config_tree import group_choices  # here: what the other queries need is imported for them
+
+        answer = group_choices(words[2]) if query == "bash" else None
+        if answer is not None:
+            print(answer)
+            return
         os.environ["COMP_LINE"] = f"{words[0]} {words[2]}"
         _command("bnexp.app.train", "answer_completion")(argv)
 

@@ -17,7 +17,8 @@ from bnexp.support.cache import CACHE_ENV
 from tests.conftest import run_cli
 
 # Each command as the README writes it, run in one fresh interpreter: whether torch and Hydra
-# were imported once it has answered (a table needs Hydra to compose its preset).
+# were imported once it has answered (a table needs Hydra to compose its preset; completing a
+# group's options does not, completing a key does).
 IMPORTS = """
 import json, os, sys
 from bnexp.cli import main
@@ -37,15 +38,16 @@ print(json.dumps(found), file=sys.stderr)
 def test_help_version_completion_and_table_import_no_torch(tmp_path: Path) -> None:
     fake_runs("popnorm/table2", tmp_path / "results" / "popnorm" / "table2")
     commands = [(["--help"], ""), (["--version"], ""), (["-sc", "query=bash"], "bnexp tr"),
-                (["train", "-sc", "install=bash"], ""), (["-sc", "query=bash"], "bnexp train norm=cb"),
-                (["train", "--help"], ""), (["table", "popnorm/table2", "format=markdown"], "")]
+                (["-sc", "query=bash"], "bnexp train norm=cb"), (["train", "-sc", "install=bash"], ""),
+                (["-sc", "query=bash"], "bnexp train norm.r"), (["train", "--help"], ""),
+                (["table", "popnorm/table2", "format=markdown"], "")]
     done = subprocess.run([sys.executable, "-c", IMPORTS, json.dumps(commands)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stderr.strip().splitlines()[-1])
-    assert [(torch, hydra) for _, _, torch, hydra in found] == [(False, False)] * 3 + [(False, True)] * 4, found
+    assert [(torch, hydra) for _, _, torch, hydra in found] == [(False, False)] * 4 + [(False, True)] * 4, found
     assert "complete -o nospace -o default -F hydra_bash_completion bnexp" in done.stdout
-    assert "norm=cbn" in done.stdout.split() and "80.00 (1)" in done.stdout and "1 failed" not in done.stdout
+    assert {"norm=cbn", "norm.rho="} <= set(done.stdout.split()) and "80.00 (1)" in done.stdout and "1 failed" not in done.stdout
 
 
 def test_a_presets_job_configs_come_from_the_cache_until_a_config_file_changes(
@@ -93,7 +95,7 @@ def test_bench_cli_times_every_command(tmp_path: Path, capsys) -> None:
     assert code == 0, text
     records = json.loads(out.read_text())
     assert [r["name"] for r in records] == ["bnexp --help", "bnexp --version", "complete 'bnexp tr'",
-                                            "complete 'bnexp train norm=cb'",
+                                            "complete 'bnexp train norm=cb'", "complete 'bnexp train norm.r'",
                                             "bnexp table popnorm/table2 (cached job configs and rows)"]
     assert all(r["seconds_median"] > 0 and r["ratio"] == r["seconds_median"] / float(r["baseline"].split()[1])
                for r in records)

@@ -81,7 +81,9 @@ def test_fish_completion_as_the_readme_installs_it(capsys: pytest.CaptureFixture
 # Lines a TAB press completes: a group's options, every group and key, nested groups, keys under
 # a node, a value (hydra.job.name: the task's module), a deletion, a key after a group's choice.
 COMPLETED_LINES = ("norm=cb", "", "hydra/launcher=", "hydra/", "optim.", "hydra.job.name=", "trainer.seed=", "~lo",
-                   "norm=cbn norm.r")
+                   "norm=cbn norm.r", "norm=cbn act=", "-m optim.lr=0.1,0.2 model=res", "+norm=c", "norm=zz",
+                   "experiment=", "experiment=cbn/", "norm=[a,b] act=s", "hydra.run.dir=x act=s", "act=s ")
+UNANSWERED = ("norm=zz", "experiment=", "experiment=cbn/")  # Hydra has nothing to offer
 
 
 def test_a_completion_query_answers_as_the_whole_train_command(capsys: pytest.CaptureFixture[str],
@@ -96,7 +98,33 @@ def test_a_completion_query_answers_as_the_whole_train_command(capsys: pytest.Ca
         code, answer = run_cli(["-sc", "query=bash"], capsys)
         monkeypatch.setenv("COMP_LINE", f"bnexp {line}")  # as bnexp/cli.py hands the line to bnexp train
         train_command(["-sc", "query=bash"])
-        assert code == 0 and answer.split() and answer == capsys.readouterr().out, (line, answer)
+        assert code == 0 and answer == capsys.readouterr().out, (line, answer)
+        assert bool(answer.split()) == (line not in UNANSWERED), (line, answer)
+
+
+def test_a_groups_options_are_completed_as_hydra_completes_them(capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bnexp train <group>=<start><TAB>`` is answered without Hydra (group_choices): for every
+    group folder of the config tree, with nothing typed after ``=`` and with each option's first
+    letter, the answer of the whole ``bnexp train -sc query=bash`` (a group of subfolders only,
+    experiment, is left to Hydra); lines it does not answer (a key, a new word, a hydra group,
+    other words that are not plain overrides) go to Hydra."""
+    from bnexp.app.config_tree import group_choices, group_configs
+    from bnexp.app.train import train_command
+
+    groups = sorted(p.name for p in config_dir().iterdir() if p.is_dir() and p.name not in ("hydra", "__pycache__"))
+    for group in groups:
+        options = group_configs(config_dir() / group)
+        for start in {"", *(o[:1] for o in options)}:
+            line = f"{group}={start}"
+            monkeypatch.setenv("COMP_LINE", f"bnexp {line}")
+            train_command(["-sc", "query=bash"])
+            hydra = capsys.readouterr().out.strip()
+            assert group_choices(line) == (hydra if options else None), (line, hydra)
+    for line in ("norm.r", "norm=cbn ", "hydra/launcher=", "norm=[a,b] act=s", "hydra.run.dir=x act=s", "-cn x act=s"):
+        assert group_choices(line) is None, line
+    monkeypatch.setenv("BNEXP_PLUGINS", "somewhere")
+    assert group_choices("norm=cb") is None
 
 
 def test_a_missing_extra_is_named(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:

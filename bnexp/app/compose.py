@@ -4,8 +4,6 @@ override parser and the OmegaConf resolvers the tree uses."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from importlib import resources
-from pathlib import Path
 from typing import Iterator
 
 from hydra import initialize_config_dir
@@ -16,18 +14,11 @@ from hydra.core.plugins import Plugins
 from omegaconf import OmegaConf
 
 from bnexp.app.cells import cell_dir
+from bnexp.app.config_tree import config_dir
 from bnexp.engine.identity import cell_name, run_name
 from bnexp.reference import bnp_lr
 from bnexp.support.registry import plugin_config_dirs
 from hydra_plugins.bnexp_searchpath import BnexpPluginConfigs, ParsedOnceConfigSource
-
-
-def config_dir() -> Path:
-    """``configs/`` of a source checkout, else the copy installed as ``bnexp.configs``."""
-    checkout = Path(__file__).resolve().parents[2] / "configs"
-    if (checkout / "train.yaml").is_file():
-        return checkout
-    return Path(str(resources.files("bnexp.configs")))
 
 
 @contextmanager

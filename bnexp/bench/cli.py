@@ -2,8 +2,9 @@
 
 Times the commands a user expects an answer from at once, each in a fresh process as a
 shell starts it: ``bnexp --help``, ``bnexp --version``, the shell-completion queries a TAB
-press runs (a command name; a config group option of ``bnexp train``), and ``bnexp table
-<preset>`` on a results folder holding the preset's whole sweep (CBN Table 1: 1,350 runs).
+press runs (a command name; a config group's option and a config key of ``bnexp train``),
+and ``bnexp table <preset>`` on a results folder holding the preset's whole sweep (CBN
+Table 1: 1,350 runs).
 That folder is written by :func:`fake_runs`, not by training. Each command runs ``warmup``
 untimed times (the table's first call composes its job configs into a fresh cache folder
 and keeps there the rows of the runs written more than two seconds before), then ``reps``
@@ -49,6 +50,8 @@ def commands(preset: str, results: Path) -> dict[str, tuple[list[str], dict[str,
         "complete 'bnexp tr'": (["-sc", "query=bash"], {"COMP_LINE": "bnexp tr"}, TARGETS["complete"]),
         "complete 'bnexp train norm=cb'": (["-sc", "query=bash"], {"COMP_LINE": "bnexp train norm=cb"},
                                            TARGETS["complete"]),
+        "complete 'bnexp train norm.r'": (["-sc", "query=bash"], {"COMP_LINE": "bnexp train norm.r"},
+                                          TARGETS["complete"]),
         f"bnexp table {preset} (cached job configs and rows)": (["table", preset, f"results={results}"], {},
                                                                 TARGETS["table"]),
     }
