@@ -21,7 +21,6 @@ from bnexp.support.registry import PLUGINS_ENV
 GROUP_WORD = re.compile(r"(?P<group>[A-Za-z_][\w-]*)=(?P<start>[^=\s]*)")
 # The other words it accepts: plain overrides (no brackets, quotes or interpolations) and -m.
 PLAIN_WORD = re.compile(r"[+~]?[A-Za-z_][\w./-]*=[\w.,:/-]*|-m|--multirun")
-SKIPPED = ("__pycache__", "__init__.py")  # never a config (Hydra's listing skips them)
 
 
 def config_dir() -> Path:
@@ -35,8 +34,8 @@ def config_dir() -> Path:
 def group_configs(folder: Path) -> list[str]:
     """The configs of a group folder as Hydra lists them: its ``.yaml`` files (links followed),
     without the extension, sorted."""
-    return sorted({name.rsplit(".", 1)[0] for name in os.listdir(folder) if name.endswith(".yaml")
-                   and name not in SKIPPED and os.path.isfile(os.path.realpath(folder / name))})
+    return sorted({name.rsplit(".", 1)[0] for name in os.listdir(folder)
+                   if name.endswith(".yaml") and os.path.isfile(os.path.realpath(folder / name))})
 
 
 def group_choices(words: str) -> Optional[str]:
