@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
@@ -25,6 +26,8 @@ from bnexp.studies.claims import (
     arm_cells,
     arm_overrides,
     beats_clearly,
+    claim_cells,
+    claim_frame,
     judge_ablation,
     judge_arora,
     judge_bnp,
@@ -78,17 +81,54 @@ def test_cbn_judge_per_activation(tmp_path: Path) -> None:
 
 
 def test_forms_judge_marks_only_the_papers_forms(tmp_path: Path) -> None:
-    for norm in ("cbn", "popnorm"):
+    """Each paper's form is judged on the runs of the claim that trains that cell (cbn's and
+    popnorm's folders, sigmoid only); the other forms are shown from the forms folder, where
+    a copy of a paper's form left from before is not read."""
+    for norm, home in (("cbn", "cbn"), ("popnorm", "popnorm")):
         for join in ("after_act", "before_act"):
             for classifier in (True, False):
                 top1 = 10.0 if (join, classifier) == ("after_act", False) else 95.0
-                write_run(tmp_path, f"{norm}{join}{classifier}",
-                          {"norm": {"name": norm, "join": join, "classifier": classifier}}, top1=top1)
-    findings = judge_forms(load_summaries(tmp_path))
-    verdicts = {f.claim: f.verdict for f in findings}
-    assert verdicts["cbn join=after_act, classifier=true (the paper's form) trains"] == HOLDS
-    assert verdicts["popnorm join=before_act, classifier=false (the paper's form) trains"] == HOLDS
-    assert verdicts["cbn join=after_act, classifier=false"] == SHOWN and len(findings) == 8
+                write_run(tmp_path / "forms", f"{norm}{join}{classifier}",
+                          {"norm": {"name": norm, "join": join, "classifier": classifier}, "act": {"name": "sigmoid"}},
+                          top1=top1 if norm == "cbn" or join == "after_act" else 50.0)
+        paper = {"after_act": True} if norm == "cbn" else {"before_act": False}
+        for (join, classifier), (act, top1) in itertools.product(paper.items(), (("sigmoid", 97.0), ("relu", 20.0))):
+            for seed in (0, 1):
+                write_run(tmp_path / home, f"{act}{seed}", {"norm": {"name": norm, "join": join, "classifier": classifier},
+                                                           "act": {"name": act}}, top1=top1 + seed)
+    findings = judge_forms(claim_frame("forms", tmp_path))
+    found = {f.claim: f for f in findings}
+    assert found["cbn join=after_act, classifier=true (the paper's form) trains"].verdict == HOLDS
+    assert found["cbn join=after_act, classifier=true (the paper's form) trains"].measured == "97.50 ± 0.71 % (2)"
+    assert found["popnorm join=before_act, classifier=false (the paper's form) trains"].verdict == HOLDS
+    assert found["cbn join=after_act, classifier=false"].verdict == SHOWN and len(findings) == 8
+    assert found["cbn join=after_act, classifier=false"].measured == "10.00 ± 0.00 % (1)"
+    assert found["popnorm join=before_act, classifier=true"].measured == "50.00 ± 0.00 % (1)"
+    assert judge_forms(claim_frame("forms", tmp_path / "nothing-here"))[0].verdict == NOT_RUN
+
+
+def test_a_cell_two_claims_read_trains_once_and_shown_rows_only_on_request(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """forms judges each paper's form on a cell of the cbn and popnorm claims (the same
+    arguments, trained once, in their folders) and trains its other forms, and ablation its
+    kappa 4 part, only with shown=true, whose rows are left out otherwise."""
+    from bnexp.studies import claims
+
+    trained: list[tuple[str, ...]] = []
+    monkeypatch.setattr(claims, "train_cells", lambda cells, jobs: [trained.append(c.args) or 0 for c in cells])
+    names = ["cbn", "popnorm", "forms", "ablation"]
+    shared = claim_cells("forms", tmp_path, "full", [], shown=False)
+    assert len(shared) == 2 and set(shared) <= {*claim_cells("cbn", tmp_path, "full", [], False),
+                                                *claim_cells("popnorm", tmp_path, "full", [], False)}
+    assert {f"hydra.sweep.dir={tmp_path / home}" in c.args for c, home in zip(shared, ("cbn", "popnorm"))} == {True}
+    results = claims.run_claims(names, tmp_path, "full", 2, [])
+    assert len(trained) == len(set(trained)) == 6 + 2 + 6  # cbn, popnorm, ablation's judged part; forms nothing new
+    assert not any(f.verdict == SHOWN for findings, _ in results.values() for f in findings)
+    assert [len(results[n][0]) for n in names] == [3, 1, 2, 4]
+    trained.clear()
+    results = claims.run_claims(names, tmp_path, "full", 2, [], shown=True)
+    assert len(trained) == len(set(trained)) == 6 + 2 + 6 + 8 and sum("/forms" in " ".join(a) for a in trained) == 6
+    assert [len(results[n][0]) for n in names] == [3, 1, 8, 6]
 
 
 def write_lr(root: Path, method: str, lr: float, collapse: bool) -> None:
@@ -156,11 +196,11 @@ def test_a_claims_cells_train_its_sweeps_runs_with_each_cells_seeds_packed() -> 
     each as one pack at full scale, seed 0 alone at quick scale; together the runs of the
     claim's one sweep, each in the directory that sweep gives it."""
     arm = CLAIMS["cbn"].arms[0]
-    full = arm_cells("cbn", arm, Path("OUT"), "full", ["act=sigmoid,relu"])
+    full = arm_cells(arm, Path("OUT"), "full", ["act=sigmoid,relu"])
     assert len(full) == 4 and all("trainer.seed=0,1,2" in c.args and "hydra/launcher=pack" in c.args for c in full)
     assert all(c.args[0] == "experiment=cbn/table1" and "hydra.sweep.dir=OUT" in c.args for c in full)
     assert {(c.args.count("cbn_row=r1"), c.args.count("act=relu")) for c in full} == {(0, 0), (0, 1), (1, 0), (1, 1)}
-    quick = arm_cells("cbn", arm, Path("OUT"), "quick", [])
+    quick = arm_cells(arm, Path("OUT"), "quick", [])
     assert len(quick) == 6 and all("trainer.seed=0" in c.args and "hydra/launcher=pack" not in c.args for c in quick)
     sweep = arm_overrides(arm, Path("OUT"), "full", ["act=sigmoid,relu"])
     runs = {cell_name(job) for job in load_preset("cbn/table1", overrides=sweep[1:]).jobs}
@@ -176,6 +216,8 @@ def test_listing_and_bad_names(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "unknown claim 'cnb'" in out and "cbn" in out
     code, out = run_cli(["claims", "cbn", "scale=huge"], capsys)
     assert code == 2 and "full, quick" in out
+    code, out = run_cli(["claims", "cbn", "shown=yes"], capsys)
+    assert code == 2 and "unknown shown 'yes'" in out and "false, true" in out
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +237,10 @@ def test_every_claim_runs_through_the_presets_at_toy_size(every_claim: tuple[Pat
     assert code == 0, out[-3000:]
     assert "verdicts are not evidence" in out and "not CIFAR or ImageNet numbers" in out
     table = pd.read_csv(folder / "claims.csv")
-    assert set(table["verdict"]) <= {HOLDS, FAILS, SHOWN, NOT_RUN, TOO_FEW} and len(table) == 3 + 1 + 8 + 6 + 1 + 1 + 1 + 2
+    # no row without a verdict (shown=true adds them): forms 2 rows, ablation 4
+    assert set(table["verdict"]) <= {HOLDS, FAILS, NOT_RUN, TOO_FEW} and len(table) == 3 + 1 + 2 + 4 + 1 + 1 + 1 + 2
     for claim in CLAIMS.values():  # every run of every claim trained on the real digits
-        frame = load_summaries(folder / claim.name)
+        frame = claim_frame(claim.name, folder)
         assert len(frame) and set(frame["status"]) <= {"completed", "diverged"} and set(frame["data.name"]) == {"digits"}
     code, out = run_cli(["claims", "popnorm", "scale=quick", "jobs=1", f"out={folder}", "trainer.device=cpu"], capsys)
     assert code == 0 and out.count(": 1 cells: 0 completed, 0 diverged, 0 failed, 1 skipped") == 2  # runs reused
@@ -231,7 +274,7 @@ def test_ablation_claim_runs_at_toy_size_and_gives_its_verdict_rows(tmp_path: Pa
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     shutil.copytree(every_claim[0] / "ablation", tmp_path / "ablation")  # its runs, as `claims all` trained them
     code, out = run_cli(["claims", "ablation", "scale=quick", "jobs=1", f"out={tmp_path}", "format=csv",
-                         "trainer.device=cpu"], capsys)
+                         "shown=true", "trainer.device=cpu"], capsys)  # the kappa 4 runs trained now
     assert code == 0, out[-3000:]
     table = pd.read_csv(tmp_path / "claims.csv")
     assert list(table["source"].unique()) == ["POP-Norm Fig. 3 (VGG-16)"] and len(table) == 6

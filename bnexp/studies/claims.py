@@ -15,7 +15,9 @@ a failed or missing run is left out and its finding says so. Runs live in
 Every cell of the claims asked for is one unit of work (:func:`arm_cells`: a ``bnexp train
 -m`` of that cell, its seeds trained as one pack); ``jobs`` worker processes take the units
 of all the claims in turn (:func:`train_cells`), and each claim's verdicts are printed as
-its last unit ends. docs/claims.md ("How the runs are executed") says why.
+its last unit ends. A cell two claims read is trained once, in the folder of the claim that
+owns it (:attr:`Arm.home`); the runs of rows that carry no verdict ("shown") are trained
+only with ``shown=true``. docs/claims.md ("How the runs are executed") says why.
 """
 
 from __future__ import annotations
@@ -74,11 +76,15 @@ TOO_FEW = "too few seeds"  # ran, but with fewer seeds than the criterion needs 
 
 @dataclass(frozen=True)
 class Arm:
-    """One sweep of a claim: a preset, Hydra overrides (sweeps allowed) and the seeds."""
+    """One sweep of a claim: a preset, Hydra overrides (sweeps allowed) and the seeds; the
+    claim whose folder holds its runs when another claim owns them (``home``), and whether
+    only rows without a verdict read them (``shown``: trained with ``shown=true``)."""
 
     preset: str
     overrides: tuple[str, ...]
     seeds: tuple[int, ...] = (0, 1, 2)
+    home: str = ""
+    shown: bool = False
 
 
 @dataclass(frozen=True)
@@ -180,18 +186,23 @@ def judge_popnorm(frame: pd.DataFrame) -> list[Finding]:
     return [compare("sigmoid: POP-Norm beats BN clearly", ("BN", "POP-Norm"), bn, pop, "beats")]
 
 
-FORMS = {"cbn": ("after_act", True), "popnorm": ("before_act", False)}  # each paper's network (METHODS.md 1)
+FOLDER = "claim_folder"  # the column of a claim's frame naming the claim folder a run is in
+# Each paper's network (METHODS.md 1), and the claim whose runs train it
+FORMS = {"cbn": ("after_act", True, "cbn"), "popnorm": ("before_act", False, "popnorm")}
 
 
 def judge_forms(frame: pd.DataFrame) -> list[Finding]:
-    """Each paper's network form trains at lr 0.1 with sigmoid; the other forms as measured."""
+    """Each paper's network form trains at lr 0.1 with sigmoid (on the runs of the claim that
+    trains that cell); the other forms as measured."""
     findings = []
-    for norm, paper_form in FORMS.items():
+    for norm, (*paper_form, home) in FORMS.items():
         for join in ("after_act", "before_act"):
             for classifier in (True, False):
-                runs = sample(frame, norm__name=norm, norm__join=join, norm__classifier=classifier)
+                own = [join, classifier] == paper_form
+                runs = sample(frame, claim_folder=home if own else "forms", norm__name=norm, act__name="sigmoid",
+                              norm__join=join, norm__classifier=classifier)
                 form = f"join={join}, classifier={str(classifier).lower()}"
-                if (join, classifier) != paper_form:
+                if not own:
                     findings.append(Finding(f"{norm} {form}", runs.text(), "(not the paper's form)", SHOWN))
                     continue
                 verdict = NOT_RUN if not runs.n else HOLDS if min(runs.values) >= TRAINS_TOP1 else FAILS
@@ -349,23 +360,27 @@ def _bnp(norm: str, batch: int, lr: float) -> Arm:
 
 
 ACTS3 = "act=sigmoid,tanh,relu"
+POPNORM_SIGMOID = (*POPNORM_DIGITS, "model=resnet20", "paper_data=cifar10", "act=sigmoid")
 CLAIMS: dict[str, Claim] = {c.name: c for c in (
     Claim("cbn", "CBN Table 1 (ResNet-20)",
           (Arm("cbn/table1", (*CBN_DIGITS, "cbn_row=r1,r2", "norm.rho=1.0", ACTS3)),), judge_cbn),
     Claim("popnorm", "POP-Norm Table 1 (ResNet-20)",
-          (Arm("popnorm/table1", (*POPNORM_DIGITS, "model=resnet20", "paper_data=cifar10", "act=sigmoid",
-                                  "norm=bn,popnorm")),), judge_popnorm),
+          (Arm("popnorm/table1", (*POPNORM_SIGMOID, "norm=bn,popnorm")),), judge_popnorm),
     Claim("forms", "METHODS.md section 1 (ResNet-20, sigmoid, lr 0.1)",
-          (Arm("cbn/table1", (*CBN_DIGITS, "cbn_row=r2", "norm.rho=1.0", "act=sigmoid",
-                              "norm.join=after_act,before_act", "norm.classifier=true,false"), seeds=(0,)),
-           Arm("popnorm/table1", (*POPNORM_DIGITS, "model=resnet20", "paper_data=cifar10", "act=sigmoid", "norm=popnorm",
-                                  "norm.join=after_act,before_act", "norm.classifier=true,false"), seeds=(0,))),
+          (Arm("cbn/table1", (*CBN_DIGITS, "cbn_row=r2", "norm.rho=1.0", "act=sigmoid"), home="cbn"),
+           Arm("popnorm/table1", (*POPNORM_SIGMOID, "norm=popnorm"), home="popnorm"),
+           *(Arm("cbn/table1", (*CBN_DIGITS, "cbn_row=r2", "norm.rho=1.0", "act=sigmoid", *form), seeds=(0,),
+                 shown=True) for form in (("norm.join=after_act", "norm.classifier=false"),
+                                          ("norm.join=before_act", "norm.classifier=true,false"))),
+           *(Arm("popnorm/table1", (*POPNORM_SIGMOID, "norm=popnorm", *form), seeds=(0,), shown=True)
+             for form in (("norm.join=after_act", "norm.classifier=true,false"),
+                          ("norm.join=before_act", "norm.classifier=true")))),
           judge_forms),
     Claim("ablation", "POP-Norm Fig. 3 (VGG-16)",
           (Arm("popnorm/ablation", (*POPNORM_ABLATION_DIGITS, "pop_part=mean_only,division_only,none",
                                     "act=relu,tanh"), seeds=(0,)),
            Arm("popnorm/ablation", (*POPNORM_ABLATION_DIGITS, "pop_part=mean_only", "norm.rho=4.0", "act=relu,tanh"),
-               seeds=(0,))), judge_ablation),
+               seeds=(0,), shown=True)), judge_ablation),
     Claim("lr", "CBN Table 6 (ResNet-20, ReLU)",
           (Arm("cbn/table6", (*CBN_DIGITS, f"cbn_part={','.join(LR_METHODS)}", "act=relu",
                               "optim.lr=1e-4,1e-3,1e-2,1e-1,1"), seeds=(0,)),), judge_lr),
@@ -408,11 +423,10 @@ def arm_overrides(arm: Arm, folder: Path, scale: str, extra: Sequence[str]) -> l
 class Cell:
     """One cell of a claim: the ``bnexp train -m`` arguments that train its seeds."""
 
-    claim: str
     args: tuple[str, ...]
 
 
-def arm_cells(claim: str, arm: Arm, folder: Path, scale: str, extra: Sequence[str]) -> list[Cell]:
+def arm_cells(arm: Arm, folder: Path, scale: str, extra: Sequence[str]) -> list[Cell]:
     """The cells of one arm: the jobs of its sweep as bnexp's sweeper expands it (the preset's
     sweeps with the arm's and the command line's values), grouped by all but the seed; a
     cell's seeds train as one pack (``hydra/launcher=pack``) when there are several. Each run
@@ -425,9 +439,22 @@ def arm_cells(claim: str, arm: Arm, folder: Path, scale: str, extra: Sequence[st
         seeds = [str(job_value(jobs[i], SEED)) for i in group]
         fixed = [o for o in jobs[group[0]] if override_key(o) != SEED]
         packed = ["hydra/launcher=pack"] if len(seeds) > 1 else []
-        cells.append(Cell(claim, (f"experiment={arm.preset}", *fixed, f"{SEED}={','.join(seeds)}",
-                                  *merged(packed, hydra))))
+        cells.append(Cell((f"experiment={arm.preset}", *fixed, f"{SEED}={','.join(seeds)}", *merged(packed, hydra))))
     return cells
+
+
+def claim_cells(name: str, out: Path, scale: str, extra: Sequence[str], shown: bool) -> list[Cell]:
+    """The cells claim ``name`` reads, each in its home claim's folder under ``out``; those of
+    rows without a verdict only when ``shown``."""
+    return [cell for arm in CLAIMS[name].arms if shown or not arm.shown
+            for cell in arm_cells(arm, out / (arm.home or name), scale, extra)]
+
+
+def claim_frame(name: str, out: Path) -> pd.DataFrame:
+    """The runs of every folder claim ``name`` reads, each with its folder's claim (:data:`FOLDER`)."""
+    folders = dict.fromkeys(arm.home or name for arm in CLAIMS[name].arms)
+    return pd.concat([load_summaries(out / folder).assign(**{FOLDER: folder}) for folder in folders],
+                     ignore_index=True)
 
 
 @ends_with_parent
@@ -444,31 +471,34 @@ def train_cells(cells: Sequence[Cell], jobs: int) -> Iterable[int]:
     return Parallel(n_jobs=jobs, return_as="generator")(delayed(train_cell)(cell.args) for cell in cells)
 
 
-def run_claims(names: Sequence[str], out: Path, scale: str, jobs: int,
-               extra: Sequence[str]) -> dict[str, tuple[list[Finding], int]]:
-    """Train (or reuse) every cell of the claims ``names`` under ``out/<name>`` and judge each
-    claim's runs as its last cell ends (its verdicts printed then); each claim's findings and
-    the exit code of its cells' sweeps (EXIT_FAILED when runs failed)."""
-    cells = {name: [c for arm in CLAIMS[name].arms for c in arm_cells(name, arm, out / name, scale, extra)]
-             for name in names}
+def run_claims(names: Sequence[str], out: Path, scale: str, jobs: int, extra: Sequence[str],
+               shown: bool = False) -> dict[str, tuple[list[Finding], int]]:
+    """Train (or reuse) every cell of the claims ``names`` under ``out/<claim>`` (a cell two
+    claims read, once) and judge each claim's runs as its last cell ends (its verdicts printed
+    then); each claim's findings (rows without a verdict only when ``shown``) and the exit code
+    of its cells' sweeps (EXIT_FAILED when runs failed)."""
+    listed = {name: claim_cells(name, out, scale, extra, shown) for name in names}
+    cells = {name: set(listed[name]) for name in names}
     left = {name: len(cells[name]) for name in names}
     codes = dict.fromkeys(names, 0)
     results: dict[str, tuple[list[Finding], int]] = {}
 
     def judge(name: str) -> None:
         claim = CLAIMS[name]
-        results[name] = claim.judge(load_summaries(out / name)), codes[name]
-        lines = [f"  {f.claim}: {f.verdict} ({f.measured})" for f in results[name][0]]
+        findings = [f for f in claim.judge(claim_frame(name, out)) if shown or f.verdict != SHOWN]
+        results[name] = findings, codes[name]
+        lines = [f"  {f.claim}: {f.verdict} ({f.measured})" for f in findings]
         print("\n".join([f"== claim {name}, {claim.source}:", *lines]), flush=True)
 
-    order = [cell for name in names for cell in cells[name]]
+    order = list(dict.fromkeys(cell for name in names for cell in listed[name]))
     for name in [n for n in names if not left[n]]:
         judge(name)
     for cell, code in zip(order, train_cells(order, jobs)):
-        codes[cell.claim] = max(codes[cell.claim], code)
-        left[cell.claim] -= 1
-        if not left[cell.claim]:
-            judge(cell.claim)
+        for name in [n for n in names if cell in cells[n]]:
+            codes[name] = max(codes[name], code)
+            left[name] -= 1
+            if not left[name]:
+                judge(name)
     return {name: results[name] for name in names}
 
 
@@ -479,13 +509,15 @@ def render(rows: list[tuple[Claim, Finding]], fmt: str) -> str:
     return frame.to_markdown(index=False) + "\n" if fmt == "markdown" else frame.to_csv(index=False)
 
 
-OPTIONS = {"scale": "full", "jobs": "", "out": "", "format": "markdown"}
+OPTIONS = {"scale": "full", "jobs": "", "out": "", "format": "markdown", "shown": "false"}
 FORMATS = ("markdown", "csv")
+SHOWN_CHOICES = ("false", "true")
 
 
 def listing() -> str:
     """What ``bnexp claims`` prints without arguments."""
-    lines = ["claims (bnexp claims all | NAME ... [scale=full|quick] [jobs=N] [out=DIR] [Hydra overrides]):"]
+    lines = ["claims (bnexp claims all | NAME ... [scale=full|quick] [jobs=N] [out=DIR] [shown=true] "
+             "[Hydra overrides]):"]
     lines += [f"  {c.name:8} {c.source}: {len(c.arms)} sweep(s)" for c in CLAIMS.values()]
     return "\n".join(lines)
 
@@ -506,6 +538,8 @@ def main(args: list[str]) -> tuple[str, int]:
         raise unknown_choice("scale", opts["scale"], SCALES)
     if opts["format"] not in FORMATS:
         raise unknown_choice("format", opts["format"], FORMATS)
+    if opts["shown"] not in SHOWN_CHOICES:
+        raise unknown_choice("shown", opts["shown"], SHOWN_CHOICES)
     chosen = list(CLAIMS) if names == ["all"] else names
     for name in chosen:
         if name not in CLAIMS:
@@ -517,7 +551,7 @@ def main(args: list[str]) -> tuple[str, int]:
     if jobs < 1:
         raise ConfigError(f"jobs={jobs} is not valid: a number of parallel runs >= 1")
     out = Path(opts["out"] or ("results/claims" if opts["scale"] == "full" else "results/quick/claims"))
-    results = run_claims(chosen, out, opts["scale"], jobs, extra)
+    results = run_claims(chosen, out, opts["scale"], jobs, extra, shown=opts["shown"] == "true")
     rows = [(CLAIMS[name], finding) for name, (findings, _) in results.items() for finding in findings]
     table = render(rows, opts["format"])
     out.mkdir(parents=True, exist_ok=True)
@@ -529,7 +563,8 @@ def main(args: list[str]) -> tuple[str, int]:
 
 
 def command(args: list[str]) -> None:
-    """``bnexp claims [all | NAME ...] [scale=full|quick] [jobs=N] [out=DIR] [format=markdown|csv] [overrides]``;
+    """``bnexp claims [all | NAME ...] [scale=full|quick] [jobs=N] [out=DIR] [format=markdown|csv] [shown=true]
+    [overrides]``;
     after the table, exit non-zero when some run failed."""
     def body() -> None:
         text, code = main(args)
