@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -13,9 +14,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
+from omegaconf import MISSING, OmegaConf
 
 import bnexp
 from bnexp.app.compose import config_dir
@@ -189,6 +191,48 @@ def test_a_keys_completion_matches_hydras_on_every_node_of_the_config(words: lis
         assert ours is None or sorted(set(ours)) == hydra, (word, ours, hydra)
         checked += ours is not None
     assert checked > 200 and {"norm", "trainer", "hydra", "probes"} <= set(plain), (checked, list(plain))
+
+
+@dataclasses.dataclass
+class Inner:
+    x: int = 1
+
+
+@dataclasses.dataclass
+class Outer:
+    none: Optional[Inner] = None
+    missing: Inner = MISSING
+
+
+def test_a_keys_completion_matches_hydras_on_a_config_of_every_kind_of_node() -> None:
+    """As above, on a config with what bnexp's has not: missing list items (Hydra lists them
+    whatever the word), interpolations in a list (resolved by Hydra: left to it), lists of
+    lists, empty nodes, number keys holding values. A config node that is None or missing, a
+    node under a number key, a key that is a boolean: no plain config (its container would
+    show them otherwise than completion sees them)."""
+    from hydra.plugins.completion_plugin import CompletionPlugin
+
+    from bnexp.app.compose import plain_config
+    from bnexp.app.config_tree import key_matches
+
+    cfg = OmegaConf.create({"a": {"l": [1, "???", {"x": 1}, [2, [3]], None], "m": "???", "i": "${a.l}", "n": None,
+                                  "d": {}, "e": [], "k": {1: "one", 20: "twenty"}},
+                            "li": ["${a.m}", 1], "s": "${a}"})
+    plain = plain_config(cfg)
+    assert plain is not None
+    words = list(key_words(plain, ""))
+    for word, answered in words:
+        ours = key_matches(plain, word)
+        assert (ours is not None) == answered, (word, ours)
+        assert ours is None or sorted(set(ours)) == sorted(set(CompletionPlugin._get_matches(cfg, word))), (word, ours)
+    assert key_matches(plain, "a.l.9") == ["a.l.1="] and len(words) > 40
+    assert plain_config(OmegaConf.create({"n": OmegaConf.structured(Inner)})) == {"n": {"x": 1}}
+    for odd in ({"k": {1: {"x": 1}}}, {"k": {True: 1}}):
+        assert plain_config(OmegaConf.create(odd)) is None, odd
+    for kept in ("none", "missing"):
+        cfg = OmegaConf.structured(Outer)
+        cfg[kept] = Inner()  # the other one stays None or missing
+        assert plain_config(cfg) is None, kept
 
 
 # Keys being typed, after other overrides: Hydra's answer, from the cache and from a composition.

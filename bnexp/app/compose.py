@@ -89,10 +89,9 @@ def prepare_config_tree() -> None:
 
 def completion_config(words: list[str]) -> Optional[dict[str, Any]]:
     """The config whose keys Hydra's completion of ``bnexp train WORDS <key>`` lists (``-m``
-    first: a sweep's), composed as it composes it, as a plain container (values unresolved,
-    enums as names, number keys as text, as completion prints them): empty where Hydra cannot
-    compose it (its completion then lists no keys); None where composing fails otherwise, or
-    the container would not show the keys as completion sees them (:func:`shown_as_seen`)."""
+    first: a sweep's), composed as it composes it, as :func:`plain_config`: empty where Hydra
+    cannot compose it (its completion then lists no keys); None where composing fails
+    otherwise (Hydra's completion fails too), or :func:`plain_config` is None."""
     multirun = words[:1] in (["-m"], ["--multirun"])
     try:
         with hydra_session():
@@ -103,6 +102,13 @@ def completion_config(words: list[str]) -> Optional[dict[str, Any]]:
         return {}
     except Exception:  # Hydra's own completion fails as well: left to it
         return None
+    return plain_config(cfg)
+
+
+def plain_config(cfg: DictConfig) -> Optional[dict[str, Any]]:
+    """``cfg`` as a plain container (values unresolved, enums as names, number keys as text, as
+    completion prints them); None where that would not show its keys as completion sees them
+    (:func:`shown_as_seen`)."""
     plain = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
     return json.loads(json.dumps(plain)) if shown_as_seen(cfg, plain) else None
 
