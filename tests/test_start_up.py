@@ -168,7 +168,8 @@ def test_bench_cli_times_every_command(tmp_path: Path, capsys) -> None:
     assert code == 0, text
     records = json.loads(out.read_text())
     assert [r["name"] for r in records] == ["bnexp --help", "bnexp --version", "complete 'bnexp tr'",
-                                            "complete 'bnexp train norm=cb'", "complete 'bnexp train norm.r'",
+                                            "complete 'bnexp train norm=cb'",
+                                            "complete 'bnexp train norm.r' (cached composition)",
                                             "bnexp table popnorm/table2 (cached job configs and rows)"]
     assert all(r["seconds_median"] > 0 and r["ratio"] == r["seconds_median"] / float(r["baseline"].split()[1])
                for r in records)

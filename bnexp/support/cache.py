@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 import bnexp
-from bnexp.support.runinfo import atomic_write
 
 CACHE_ENV = "BNEXP_CACHE_DIR"  # where bnexp keeps what it can compute again (see cache_dir)
 # A file whose modification or change time is this recent when it is read is not trusted to
@@ -77,6 +76,8 @@ def file_state(path: Path, now_ns: int) -> Optional[list[int]]:
 def write_cache(path: Path, data: bytes) -> None:
     """Write a cache file whole, one command at a time (a lock beside it); an OSError when
     the folder cannot be made or written."""
+    from bnexp.support.runinfo import atomic_write  # here: a completion read from the cache need not import it
+
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
