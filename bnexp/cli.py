@@ -107,7 +107,8 @@ def command_help(command: str) -> str:
 
 def completion(argv: list[str]) -> None:
     """Hydra's shell completion of ``bnexp train``: its install script, or the answer to a
-    query (command names while the command is being typed)."""
+    query (command names while the command is being typed; a group's options and a config
+    key without Hydra where :mod:`bnexp.app.config_tree` can answer)."""
     query = next((a.partition("=")[2] for a in argv[1:] if a.startswith("query=")), None)
     if query is None:  # install= / uninstall=: the script
         train_command(argv)
