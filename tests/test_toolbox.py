@@ -208,8 +208,8 @@ def test_a_keys_completion_matches_hydras_on_a_config_of_every_kind_of_node() ->
     """As above, on a config with what bnexp's has not: missing list items (Hydra lists them
     whatever the word), interpolations in a list (resolved by Hydra: left to it), lists of
     lists, empty nodes, number keys holding values. A config node that is None or missing, a
-    node under a number key, a key that is a boolean: no plain config (its container would
-    show them otherwise than completion sees them)."""
+    node under a number key, a key that is a boolean (its container would show them otherwise
+    than completion sees them), a path: no plain config."""
     from hydra.plugins.completion_plugin import CompletionPlugin
 
     from bnexp.app.compose import plain_config
@@ -227,7 +227,7 @@ def test_a_keys_completion_matches_hydras_on_a_config_of_every_kind_of_node() ->
         assert ours is None or sorted(set(ours)) == sorted(set(CompletionPlugin._get_matches(cfg, word))), (word, ours)
     assert key_matches(plain, "a.l.9") == ["a.l.1="] and len(words) > 40
     assert plain_config(OmegaConf.create({"n": OmegaConf.structured(Inner)})) == {"n": {"x": 1}}
-    for odd in ({"k": {1: {"x": 1}}}, {"k": {True: 1}}):
+    for odd in ({"k": {1: {"x": 1}}}, {"k": {True: 1}}, {"p": Path("a")}):
         assert plain_config(OmegaConf.create(odd)) is None, odd
     for kept in ("none", "missing"):
         cfg = OmegaConf.structured(Outer)

@@ -106,11 +106,16 @@ def completion_config(words: list[str]) -> Optional[dict[str, Any]]:
 
 
 def plain_config(cfg: DictConfig) -> Optional[dict[str, Any]]:
-    """``cfg`` as a plain container (values unresolved, enums as names, number keys as text, as
+    """``cfg`` as a JSON object (values unresolved, enums as names, number keys as text, as
     completion prints them); None where that would not show its keys as completion sees them
-    (:func:`shown_as_seen`)."""
+    (:func:`shown_as_seen`), or a value is not one JSON holds."""
     plain = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
-    return json.loads(json.dumps(plain)) if shown_as_seen(cfg, plain) else None
+    if not shown_as_seen(cfg, plain):
+        return None
+    try:
+        return json.loads(json.dumps(plain))
+    except TypeError:  # a value JSON does not hold (a path)
+        return None
 
 
 def shown_as_seen(node: Container, plain: Any) -> bool:
