@@ -107,7 +107,8 @@ def command_help(command: str) -> str:
 
 def completion(argv: list[str]) -> None:
     """Hydra's shell completion of ``bnexp train``: its install script, or the answer to a
-    query (command names while the command is being typed)."""
+    query (command names while the command is being typed; a group's options and a config
+    key without Hydra where :mod:`bnexp.app.config_tree` can answer)."""
     query = next((a.partition("=")[2] for a in argv[1:] if a.startswith("query=")), None)
     if query is None:  # install= / uninstall=: the script
         train_command(argv)
@@ -119,9 +120,11 @@ def completion(argv: list[str]) -> None:
         print(("\n" if query == "fish" else " ").join(name for name in COMMANDS if name.startswith(typed)))
         return
     if words[1] == "train":
-        from bnexp.app.config_tree import group_choices  # here: what the other queries need is imported for them
+        from bnexp.app.config_tree import group_choices, key_choices  # here: the other queries need neither
 
         answer = group_choices(words[2]) if query == "bash" else None
+        if answer is None and query == "bash":  # a key, from the config of the other words (composed on a miss)
+            answer = key_choices(words[2], lambda w: importlib.import_module("bnexp.app.compose").completion_config(w))
         if answer is not None:
             print(answer)
             return

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bnexp.app import config_tree
 from bnexp.bench.cli import fake_runs
 from bnexp.report import presets
 from bnexp.support.cache import CACHE_ENV
@@ -71,12 +73,83 @@ def test_a_presets_job_configs_come_from_the_cache_until_a_config_file_changes(
     key = presets.cache_key("popnorm/table2", "quick", jobs)
     tree = tmp_path / "configs"
     shutil.copytree(presets.config_dir(), tree)
-    monkeypatch.setattr(presets, "config_dir", lambda: tree)
+    monkeypatch.setattr(config_tree, "config_dir", lambda: tree)
     assert presets.cache_key("popnorm/table2", "quick", jobs) == key  # the same files
     norm = tree / "norm" / "popnorm.yaml"
     norm.write_text(norm.read_text() + "\n")
     assert presets.cache_key("popnorm/table2", "quick", jobs) != key
     assert presets.cache_key("popnorm/table2", "quick", jobs[:1]) != presets.cache_key("popnorm/table2", "quick", jobs)
+
+
+def test_a_key_completed_from_the_cache_imports_neither_torch_nor_hydra(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A completion query of a key composes with Hydra the first time (into an empty cache
+    folder) and imports neither torch nor Hydra after, with the same answers."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    commands = [(["-sc", "query=bash"], "bnexp train norm.r"), (["-sc", "query=bash"], "bnexp train model=vgg16 optim.")]
+    answers = []
+    for cold in (True, False):
+        done = subprocess.run([sys.executable, "-c", IMPORTS, json.dumps(commands)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        found = json.loads(done.stderr.strip().splitlines()[-1])
+        assert [(torch, hydra) for _, _, torch, hydra in found] == [(False, cold)] * 2, (cold, found)
+        answers.append(done.stdout)
+    assert answers[0] == answers[1] and "norm.rho=" in answers[0].split() and "optim.lr=" in answers[0].split()
+
+
+def test_a_keys_config_is_kept_until_what_it_is_composed_from_changes(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """key_choices composes the config of a line's other words once and reads it from the
+    cache after; a config file of the search path that changes (here a BNEXP_PLUGINS one),
+    other words or the mode compose again; a cache file that is not a JSON object, or not a
+    regular file, is composed again, and without a cache folder every query composes."""
+    from bnexp.app.compose import completion_config
+    from bnexp.app.config_tree import key_choices
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    plugin = tmp_path / "toy_keys"
+    (plugin / "configs" / "extra").mkdir(parents=True)
+    (plugin / "__init__.py").write_text("")
+    (plugin / "configs" / "extra" / "a.yaml").write_text("alpha: 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("BNEXP_PLUGINS", "toy_keys")
+    composed: list[list[str]] = []
+
+    def compose(words: list[str]) -> dict | None:
+        composed.append(words)
+        return completion_config(words)
+
+    assert key_choices("+extra=a extra.", compose) == "extra.alpha=" and len(composed) == 1
+    assert key_choices("+extra=a extra.al", compose) == "extra.alpha=" and len(composed) == 1  # from the cache
+    [kept] = (tmp_path / "cache" / "completion").glob("*.json")
+    assert json.loads(kept.read_text())["extra"] == {"alpha": 1}
+    (plugin / "configs" / "extra" / "a.yaml").write_text("beta: 1\n")
+    assert key_choices("+extra=a extra.", compose) == "extra.beta=" and len(composed) == 2
+    assert key_choices("-m +extra=a extra.", compose) == "extra.beta=" and len(composed) == 3
+    assert key_choices("norm=cbn norm.r", compose) == "norm.rho=" and len(composed) == 4
+    assert len(list(kept.parent.glob("*.json"))) == 4
+    (plugin / "configs" / "extra" / "a.yaml").write_text("alpha: 1\n")  # as it was: kept from before
+    assert key_choices("+extra=a extra.", compose) == "extra.alpha=" and len(composed) == 4
+    for foreign in (b"[1]", b"{", b"\xff", b"null"):
+        kept.write_bytes(foreign)
+        assert key_choices("+extra=a extra.al", compose) == "extra.alpha=", foreign
+        assert json.loads(kept.read_text())["extra"] == {"alpha": 1}  # written again
+    kept.unlink()
+    os.mkfifo(kept)
+    assert key_choices("+extra=a extra.", compose) == "extra.alpha=" and kept.is_file()
+    kept.unlink()
+    kept.mkdir()
+    assert key_choices("+extra=a extra.", compose) == "extra.alpha=" and kept.is_dir()
+    count = len(composed)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "toy_keys" / "__init__.py" / "cache"))  # no folder can be made
+    assert [key_choices("+extra=a extra.", compose) for _ in range(2)] == ["extra.alpha="] * 2
+    assert len(composed) == count + 2
+    kept.rmdir()
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    kept.write_text(json.dumps({"extra": {"alpha": {}, "b": [1]}, "c": 1}))  # any JSON object: read as a config
+    assert [key_choices(f"+extra=a {word}", compose) for word in ("extra.", "extra.b.", "extra.alpha.x", "c.")] \
+        == ["extra.alpha. extra.b.", "extra.b.0=", "", None]
 
 
 def test_the_benchmarks_results_folder_is_the_presets_whole_sweep(tmp_path: Path, capsys) -> None:
@@ -95,7 +168,8 @@ def test_bench_cli_times_every_command(tmp_path: Path, capsys) -> None:
     assert code == 0, text
     records = json.loads(out.read_text())
     assert [r["name"] for r in records] == ["bnexp --help", "bnexp --version", "complete 'bnexp tr'",
-                                            "complete 'bnexp train norm=cb'", "complete 'bnexp train norm.r'",
+                                            "complete 'bnexp train norm=cb'",
+                                            "complete 'bnexp train norm.r' (cached composition)",
                                             "bnexp table popnorm/table2 (cached job configs and rows)"]
     assert all(r["seconds_median"] > 0 and r["ratio"] == r["seconds_median"] / float(r["baseline"].split()[1])
                for r in records)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -13,8 +14,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator, Optional
 
 import pytest
+from omegaconf import MISSING, OmegaConf
 
 import bnexp
 from bnexp.app.compose import config_dir
@@ -125,6 +128,147 @@ def test_a_groups_options_are_completed_as_hydra_completes_them(capsys: pytest.C
         assert group_choices(line) is None, line
     monkeypatch.setenv("BNEXP_PLUGINS", "somewhere")
     assert group_choices("norm=cb") is None
+
+
+def key_words(node: dict | list, path: str) -> Iterator[tuple[str, bool]]:
+    """Keys being typed under the config node ``node`` (a plain container) at ``path``, each
+    with whether key_matches answers it: the node's own (``path.``), each key's first letter, a
+    key no node has and one under it; each value's own and one under it (Hydra prints the
+    value, or fails); then the same for each node below (but under a key with a dot)."""
+    items = node.items() if isinstance(node, dict) else enumerate(node)
+    listed = not (isinstance(node, list) and any(isinstance(v, str) and "${" in v for v in node))
+    if path:  # a list's key is a number: another is refused, one past its end not there
+        absent = len(node) if isinstance(node, list) else "nokey"
+        yield from ((f"{path}.", listed), (f"{path}.zz", listed), (f"{path}.{absent}.", True),
+                    (f"{path}.{absent}.x", True), (f"{path}.nokey.", isinstance(node, dict)))
+    for key, value in items:
+        where = f"{path}.{key}" if path else str(key)
+        if path:
+            yield f"{path}.{str(key)[:1]}", listed
+        if "." in str(key):  # a sweep's key (trainer.seed): a word names no such node
+            continue
+        if isinstance(value, (dict, list)):
+            yield from key_words(value, where)
+        else:
+            yield from ((f"{where}.", False), (f"{where}.x", False))
+
+
+@pytest.mark.parametrize("words", [[], ["model=vgg16", "norm=cbn", "trainer.max_steps=3"],
+                                   ["-m", "norm=bn,cbn", "experiment=cbn/table1"], ["model=nosuchmodel"]])
+def test_a_keys_completion_matches_hydras_on_every_node_of_the_config(words: list[str]) -> None:
+    """key_matches on the plain config that completion_config composes gives Hydra's own
+    matches (``CompletionPlugin._get_matches`` on the config its completion composes, what its
+    bash completion prints for a word with a dot) for every config node of it with a ``.``
+    typed, the first letter of each key under it, keys it does not have, and values; it
+    answers every word but those whose answer is a value (Hydra resolves it, prints it or
+    fails), which are left to Hydra. A config Hydra cannot compose lists no keys."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException
+    from hydra.plugins.completion_plugin import CompletionPlugin
+    from hydra.types import RunMode
+
+    from bnexp.app.compose import completion_config, hydra_session
+    from bnexp.app.config_tree import key_matches
+
+    plain = completion_config(words)
+    assert plain is not None
+    multirun = words[:1] == ["-m"]
+    try:
+        with hydra_session():
+            cfg = GlobalHydra.instance().config_loader().load_configuration(
+                "train", words[1:] if multirun else words, RunMode.MULTIRUN if multirun else RunMode.RUN)
+    except ConfigCompositionException:
+        assert plain == {} and key_matches(plain, "norm.") == [] and words == ["model=nosuchmodel"]
+        return
+    checked = 0
+    for word, answered in key_words(plain, ""):
+        try:
+            hydra: list[str] | None = sorted(set(CompletionPlugin._get_matches(cfg, word)))
+        except Exception:  # Hydra fails: an AssertionError for a value's key, an interpolation it cannot resolve
+            hydra = None
+        ours = key_matches(plain, word)
+        assert (ours is not None) == answered, (word, ours, hydra)
+        assert ours is None or sorted(set(ours)) == hydra, (word, ours, hydra)
+        checked += ours is not None
+    assert checked > 200 and {"norm", "trainer", "hydra", "probes"} <= set(plain), (checked, list(plain))
+
+
+@dataclasses.dataclass
+class Inner:
+    x: int = 1
+
+
+@dataclasses.dataclass
+class Outer:
+    none: Optional[Inner] = None
+    missing: Inner = MISSING
+
+
+def test_a_keys_completion_matches_hydras_on_a_config_of_every_kind_of_node() -> None:
+    """As above, on a config with what bnexp's has not: missing list items (Hydra lists them
+    whatever the word), interpolations in a list (resolved by Hydra: left to it), lists of
+    lists, empty nodes, number keys holding values. A config node that is None or missing, a
+    node under a number key, a key that is a boolean (its container would show them otherwise
+    than completion sees them), a path: no plain config."""
+    from hydra.plugins.completion_plugin import CompletionPlugin
+
+    from bnexp.app.compose import plain_config
+    from bnexp.app.config_tree import key_matches
+
+    cfg = OmegaConf.create({"a": {"l": [1, "???", {"x": 1}, [2, [3]], None], "m": "???", "i": "${a.l}", "n": None,
+                                  "d": {}, "e": [], "k": {1: "one", 20: "twenty"}},
+                            "li": ["${a.m}", 1], "s": "${a}"})
+    plain = plain_config(cfg)
+    assert plain is not None
+    words = list(key_words(plain, ""))
+    for word, answered in words:
+        ours = key_matches(plain, word)
+        assert (ours is not None) == answered, (word, ours)
+        assert ours is None or sorted(set(ours)) == sorted(set(CompletionPlugin._get_matches(cfg, word))), (word, ours)
+    assert key_matches(plain, "a.l.9") == ["a.l.1="] and len(words) > 40
+    assert plain_config(OmegaConf.create({"n": OmegaConf.structured(Inner)})) == {"n": {"x": 1}}
+    for odd in ({"k": {1: {"x": 1}}}, {"k": {True: 1}}, {"p": Path("a")}):
+        assert plain_config(OmegaConf.create(odd)) is None, odd
+    for kept in ("none", "missing"):
+        cfg = OmegaConf.structured(Outer)
+        cfg[kept] = Inner()  # the other one stays None or missing
+        assert plain_config(cfg) is None, kept
+
+
+# Keys being typed, after other overrides: Hydra's answer, from the cache and from a composition.
+KEY_LINES = ("norm.r", "norm.", "trainer.max_", "optim.", "hydra.run.", "hydra.job.c", "schedule.milestones.",
+             "model=vgg16 norm=cbn norm.", "-m norm=bn,cbn hydra.sweeper.", "norm.nokey.x", "norm.rho.",
+             "experiment=cbn/table1 hydra.sweeper.sweeps.0.", "model=nosuchmodel norm.")
+EMPTY_KEY_LINES = ("norm.nokey.x", "model=nosuchmodel norm.")  # no such key; a config Hydra cannot compose
+
+
+def test_a_key_is_completed_as_hydra_completes_it_cold_and_warm(capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    """``bnexp train <key with a dot><TAB>`` (key_choices): the answer of the whole ``bnexp
+    train -sc query=bash`` both with an empty cache folder (composed, then kept) and from the
+    cache (nothing composed); a line whose answer is a value (``norm.rho.``) goes to Hydra."""
+    import bnexp.app.compose
+    from bnexp.app.config_tree import key_choices
+    from bnexp.app.train import train_command
+    from bnexp.support.cache import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    compose, answers = bnexp.app.compose.completion_config, {}
+    for line in KEY_LINES:
+        monkeypatch.setenv("COMP_LINE", f"bnexp {line}")  # as bnexp/cli.py hands the line to bnexp train
+        train_command(["-sc", "query=bash"])
+        hydra = answers[line] = capsys.readouterr().out
+        monkeypatch.setenv("COMP_LINE", f"bnexp train {line}")
+        assert run_cli(["-sc", "query=bash"], capsys) == (0, hydra), line  # cold: composed
+        monkeypatch.setattr(bnexp.app.compose, "completion_config", lambda words: pytest.fail(f"composed {words}"))
+        monkeypatch.setenv("COMP_LINE", f"bnexp train {line}")  # a line Hydra answers is handed on changed
+        assert run_cli(["-sc", "query=bash"], capsys) == (0, hydra), line  # warm: from the cache
+        monkeypatch.setattr(bnexp.app.compose, "completion_config", compose)
+    assert len(list((tmp_path / "completion").glob("*.json"))) == 5  # one for each set of other words
+    assert key_choices("norm.rho.", compose) is None  # Hydra prints the value: Hydra answers
+    assert answers["norm.r"] == "norm.rho=\n" and all(answers[line] == "\n" for line in EMPTY_KEY_LINES)
+    assert all(answers[line].split() for line in KEY_LINES if line not in EMPTY_KEY_LINES), answers
 
 
 def test_a_missing_extra_is_named(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:

@@ -1,26 +1,39 @@
-"""Where bnexp's config tree is, and the shell completion of a config group's options, without
-importing Hydra: each TAB press starts a process, and Hydra's import alone takes most of the
-half second a completion may take (docs/benchmarks.md).
+"""Where bnexp's config tree is, a digest of what composing it reads, and the shell completion
+of a config group's options and of a config key without importing Hydra: each TAB press
+starts a process, and Hydra's import alone takes most of the half second a completion may
+take (docs/benchmarks.md).
 
 :func:`group_choices` answers the commonest query, ``bnexp train ... norm=cb<TAB>``, as
 Hydra's bash completion would (the ``.yaml`` files directly in the group's folder, as
-``group=option``, sorted); every other line is left to Hydra, which bnexp's completion then runs.
+``group=option``, sorted). :func:`key_choices` answers a dotted key, ``bnexp train ...
+norm.r<TAB>``, from the config the other words compose, kept in bnexp's cache folder under
+:func:`config_digest` (composed by Hydra on a miss). Every other line is left to Hydra, which
+bnexp's completion then runs.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
 import os
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
-from bnexp.support.registry import PLUGINS_ENV
+from bnexp.support.cache import cache_dir, package_digest, package_dir, tree_digest, write_cache
+from bnexp.support.registry import PLUGINS_ENV, plugin_config_dirs
+from bnexp.support.untrusted import RECORD_FILE, read_regular
 
 # The last word of a line this module answers: a top-level group and the start of an option.
 GROUP_WORD = re.compile(r"(?P<group>[A-Za-z_][\w-]*)=(?P<start>[^=\s]*)")
 # The other words it accepts: plain overrides (no brackets, quotes or interpolations) and -m.
 PLAIN_WORD = re.compile(r"[+~]?[A-Za-z_][\w./-]*=[\w.,:/-]*|-m|--multirun")
+MULTIRUN = ("-m", "--multirun")
+# The last word of a line whose keys this module completes: a config key with a dot, being typed.
+KEY_WORD = re.compile(r"[A-Za-z_][\w-]*(?:\.[\w-]+)*\.[\w-]*")
+ABSENT = object()  # no such key in a config node
 
 
 def config_dir() -> Path:
@@ -47,11 +60,117 @@ def group_choices(words: str) -> Optional[str]:
         return None
     *others, last = words.split()
     word = GROUP_WORD.fullmatch(last)
-    if word is None or word["group"] == "hydra" or not all(PLAIN_WORD.fullmatch(w) for w in others) \
-            or any(w.lstrip("+~").startswith("hydra") for w in others):
+    if word is None or word["group"] == "hydra" or not plain_overrides(others):
         return None
     folder = config_dir() / word["group"]
     options = group_configs(folder) if folder.is_dir() else []
     if not options:  # Hydra goes on to the config's keys
         return None
     return " ".join(f"{word['group']}={o}" for o in options if f"{word['group']}={o}".startswith(last))
+
+
+def plain_overrides(words: list[str]) -> bool:
+    """Whether ``words`` are plain overrides (no brackets, quotes or interpolations; ``-m``
+    allowed) of the app's config, none of Hydra's own (``hydra.``, ``hydra/``)."""
+    return all(PLAIN_WORD.fullmatch(w) and not w.lstrip("+~").startswith("hydra") for w in words)
+
+
+def hydra_plugin_dirs() -> list[Path]:
+    """The ``hydra_plugins`` folders whose plugins Hydra loads (their code registers configs,
+    of sweepers and launchers, in Hydra's config store): bnexp's and every other one on the
+    import path."""
+    spec = importlib.util.find_spec("hydra_plugins")
+    found = [Path(p) for p in (spec.submodule_search_locations or []) if Path(p).is_dir()] if spec else []
+    return sorted({*found, package_dir().parent / "hydra_plugins"})
+
+
+def config_digest(*parts: Any) -> str:
+    """A digest of ``parts`` (JSON values: what is composed) and everything else a composition
+    of the config tree reads: every file of its search path (bnexp's tree, the ``BNEXP_PLUGINS``
+    config folders, the Hydra plugins), bnexp's own files (code, the resolvers' tables) and the
+    versions of Hydra and OmegaConf."""
+    from importlib import metadata  # here: a group's completion need not import it (40 ms)
+
+    digest = hashlib.sha256(json.dumps([*parts, os.environ.get(PLUGINS_ENV, ""), metadata.version("hydra-core"),
+                                        metadata.version("omegaconf")]).encode())
+    digest.update(package_digest().encode())
+    tree_digest(digest, (config_dir(), *plugin_config_dirs(), *hydra_plugin_dirs()))
+    return digest.hexdigest()[:32]
+
+
+def key_choices(words: str, compose: Callable[[list[str]], Optional[dict[str, Any]]]) -> Optional[str]:
+    """Hydra's bash answer to a completion query of ``bnexp train WORDS`` whose last word is a
+    config key with a dot (``norm.r``, ``hydra.run.``) and whose other words are plain
+    overrides (after ``-m``, for a sweep's config): the keys :func:`key_matches` finds in the
+    config the other words compose, sorted, space-separated. The config comes from the cache
+    (:func:`cached_config`), else from ``compose(other words)`` (Hydra's composition as a
+    JSON object; None where it cannot be one), which is kept there. None for any other
+    line, and where the answer depends on a value: Hydra answers those."""
+    if not words.strip() or words.endswith(" "):
+        return None
+    *others, last = words.split()
+    overrides = others[1:] if others[:1] and others[0] in MULTIRUN else others
+    if not KEY_WORD.fullmatch(last) or not plain_overrides(overrides) or set(MULTIRUN) & set(overrides):
+        return None
+    config = cached_config(others, compose)
+    matches = None if config is None else key_matches(config, last)
+    return None if matches is None else " ".join(sorted(set(matches)))
+
+
+def cached_config(words: list[str], compose: Callable[[list[str]], Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
+    """The config ``compose(words)`` gives (a JSON object, or None), from bnexp's cache folder
+    when it holds it under the same :func:`config_digest` (a missing, unreadable or foreign
+    file is not used), else composed and kept there; without a cache folder, composed each
+    time."""
+    try:
+        path: Optional[Path] = cache_dir() / "completion" / f"{config_digest('completion', words)}.json"
+    except OSError:  # no home folder to keep a cache in
+        path = None
+    config = read_config(path) if path is not None else None
+    if config is not None:
+        return config
+    composed = compose(words)
+    if composed is not None and path is not None:
+        try:
+            write_cache(path, json.dumps(composed).encode())
+        except OSError:
+            pass
+    return composed
+
+
+def read_config(path: Path) -> Optional[dict[str, Any]]:
+    """The config a cache file holds; None when it is missing, unreadable or not a JSON object."""
+    try:
+        config = json.loads(read_regular(path, RECORD_FILE))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def key_matches(config: dict[str, Any], word: str) -> Optional[list[str]]:
+    """Hydra's matches of a key ``word`` with a dot in a composed config
+    (``CompletionPlugin._get_matches``), on its plain container (a dict or list is a config
+    node, anything else a value): under the node the part before the last dot names, each key
+    beginning with the part after it, a node's followed by ``.`` and a value's by ``=``; none
+    where no such node is. None where Hydra's answer depends on a value, which Hydra resolves
+    or prints: the node is a value, or the path crosses one, or a list holds an interpolation."""
+    base, _, start = word.rpartition(".")
+    node: Any = config
+    for part in base.split("."):
+        if isinstance(node, dict):
+            node = node.get(part, ABSENT)
+        elif isinstance(node, list) and part.isascii() and part.isdigit():
+            node = node[int(part)] if int(part) < len(node) else ABSENT
+        else:  # a value (OmegaConf's select resolves an interpolation there), or a list's key not a number
+            return None
+        if node is ABSENT:
+            return []
+    if isinstance(node, dict):
+        found = [(key, value) for key, value in node.items() if key.startswith(start)]
+    elif isinstance(node, list) and not any(isinstance(item, str) and "${" in item for item in node):
+        # Hydra reads each item, and lists a missing one (???) whatever the word
+        found = [(str(i), item) for i, item in enumerate(node) if str(i).startswith(start) or item == "???"]
+    else:
+        return None
+    return [f"{base}.{key}{'.' if isinstance(value, (dict, list)) else '='}" for key, value in found]
+

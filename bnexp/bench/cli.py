@@ -7,7 +7,8 @@ and ``bnexp table <preset>`` on a results folder holding the preset's whole swee
 Table 1: 1,350 runs).
 That folder is written by :func:`fake_runs`, not by training. Each command runs ``warmup``
 untimed times (the table's first call composes its job configs into a fresh cache folder
-and keeps there the rows of the runs written more than two seconds before), then ``reps``
+and keeps there the rows of the runs written more than two seconds before; the key's
+completion keeps there the config it lists keys of), then ``reps``
 times. ``ratio`` is the median seconds over the command's target
 (:data:`TARGETS`): below 1 meets it.
 """
@@ -50,8 +51,8 @@ def commands(preset: str, results: Path) -> dict[str, tuple[list[str], dict[str,
         "complete 'bnexp tr'": (["-sc", "query=bash"], {"COMP_LINE": "bnexp tr"}, TARGETS["complete"]),
         "complete 'bnexp train norm=cb'": (["-sc", "query=bash"], {"COMP_LINE": "bnexp train norm=cb"},
                                            TARGETS["complete"]),
-        "complete 'bnexp train norm.r'": (["-sc", "query=bash"], {"COMP_LINE": "bnexp train norm.r"},
-                                          TARGETS["complete"]),
+        "complete 'bnexp train norm.r' (cached composition)": (["-sc", "query=bash"],
+                                                                 {"COMP_LINE": "bnexp train norm.r"}, TARGETS["complete"]),
         f"bnexp table {preset} (cached job configs and rows)": (["table", preset, f"results={results}"], {},
                                                                 TARGETS["table"]),
     }

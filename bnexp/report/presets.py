@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import difflib
 import fcntl
-import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass
 from functools import cached_property
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -31,13 +28,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bnexp.app.cmdline import compose_or_explain
 from bnexp.app.compose import config_dir, hydra_session, is_group, parser
+from bnexp.app.config_tree import config_digest
 from bnexp.app.sweep import Job, Values, expand, parse_values, select, sweep_lines, union
 from bnexp.engine.identity import override_key, result_config, result_fingerprint
 from bnexp.report.layouts import Layout, layout_from
-from bnexp.support.cache import cache_dir, package_digest, package_dir, tree_digest
+from bnexp.support.cache import cache_dir
 from bnexp.support.errors import ConfigError, unknown_choice
 from bnexp.support.options import split_options
-from bnexp.support.registry import PLUGINS_ENV, plugin_config_dirs
 from bnexp.support.runinfo import atomic_write
 
 SEED = "trainer.seed"
@@ -179,15 +176,8 @@ def cached_configs(path: Path, count: int) -> Optional[list[dict[str, Any]]]:
 
 def cache_key(name: str, scale: str, jobs: Sequence[Job]) -> str:
     """A digest of everything :func:`compose_job_configs` computes from: the preset, scale
-    and jobs, every file of the config search path (bnexp's and the ``BNEXP_PLUGINS`` ones),
-    bnexp's own files (code, the resolvers' tables, a wheel's configs) and the versions of
-    Hydra and OmegaConf."""
-    digest = hashlib.sha256(json.dumps([name, scale, [list(job) for job in jobs], os.environ.get(PLUGINS_ENV, ""),
-                                        metadata.version("hydra-core"), metadata.version("omegaconf")]).encode())
-    digest.update(package_digest().encode())
-    searchpath = package_dir().parent / "hydra_plugins" / "bnexp_searchpath"
-    tree_digest(digest, (config_dir(), *plugin_config_dirs(), searchpath))
-    return digest.hexdigest()[:32]
+    and jobs, and what any composition reads (:func:`bnexp.app.config_tree.config_digest`)."""
+    return config_digest(name, scale, [list(job) for job in jobs])
 
 
 def compose_job_configs(name: str, scale: str, jobs: Sequence[Job]) -> list[dict[str, Any]]:

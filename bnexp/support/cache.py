@@ -1,7 +1,8 @@
 """bnexp's cache folder: what it can compute again, kept between commands.
 
-Two things live there: the result configs of a preset's jobs (:func:`bnexp.report.presets.job_configs`)
-and the rows a results folder's summaries give (:class:`bnexp.report.results.RowCache`). Every
+Three things live there: the result configs of a preset's jobs (:func:`bnexp.report.presets.job_configs`),
+the rows a results folder's summaries give (:class:`bnexp.report.results.RowCache`) and the
+configs whose keys shell completion lists (:func:`bnexp.app.config_tree.key_choices`). Every
 entry is keyed by what it was computed from, bnexp's own files included (:func:`tree_digest`),
 and is plain JSON, never a pickle. Anything in the folder may be deleted at any time.
 """
@@ -16,7 +17,6 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 import bnexp
-from bnexp.support.runinfo import atomic_write
 
 CACHE_ENV = "BNEXP_CACHE_DIR"  # where bnexp keeps what it can compute again (see cache_dir)
 # A file whose modification or change time is this recent when it is read is not trusted to
@@ -77,6 +77,8 @@ def file_state(path: Path, now_ns: int) -> Optional[list[int]]:
 def write_cache(path: Path, data: bytes) -> None:
     """Write a cache file whole, one command at a time (a lock beside it); an OSError when
     the folder cannot be made or written."""
+    from bnexp.support.runinfo import atomic_write  # here: a completion read from the cache need not import it
+
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
