@@ -115,20 +115,41 @@ def test_a_cell_two_claims_read_trains_once_and_shown_rows_only_on_request(tmp_p
     from bnexp.studies import claims
 
     trained: list[tuple[str, ...]] = []
-    monkeypatch.setattr(claims, "train_cells", lambda cells, jobs: [trained.append(c.args) or 0 for c in cells])
+    judged: dict[str, set[tuple[str, ...]]] = {}  # the cells trained when each claim was judged
+
+    def train_cells(cells: list, jobs: int):
+        for cell in cells:
+            trained.append(cell.args)
+            yield 0
+
+    def claim_frame(name: str, out: Path, frame=claims.claim_frame) -> pd.DataFrame:
+        judged[name] = set(trained)
+        return frame(name, out)
+
+    monkeypatch.setattr(claims, "train_cells", train_cells)
+    monkeypatch.setattr(claims, "claim_frame", claim_frame)
     names = ["cbn", "popnorm", "forms", "ablation"]
     shared = claim_cells("forms", tmp_path, "full", [], shown=False)
     assert len(shared) == 2 and set(shared) <= {*claim_cells("cbn", tmp_path, "full", [], False),
                                                 *claim_cells("popnorm", tmp_path, "full", [], False)}
     assert {f"hydra.sweep.dir={tmp_path / home}" in c.args for c, home in zip(shared, ("cbn", "popnorm"))} == {True}
+    quick = claim_cells("forms", tmp_path, "quick", ["act=relu"], shown=False)  # with the command line's values
+    assert set(quick) <= {*claim_cells("cbn", tmp_path, "quick", ["act=relu"], False),
+                          *claim_cells("popnorm", tmp_path, "quick", ["act=relu"], False)}
     results = claims.run_claims(names, tmp_path, "full", 2, [])
     assert len(trained) == len(set(trained)) == 6 + 2 + 6  # cbn, popnorm, ablation's judged part; forms nothing new
+    for name in names:  # each claim judged once all its cells, shared ones included, were trained
+        assert {c.args for c in claim_cells(name, tmp_path, "full", [], False)} <= judged[name]
     assert not any(f.verdict == SHOWN for findings, _ in results.values() for f in findings)
     assert [len(results[n][0]) for n in names] == [3, 1, 2, 4]
     trained.clear()
     results = claims.run_claims(names, tmp_path, "full", 2, [], shown=True)
     assert len(trained) == len(set(trained)) == 6 + 2 + 6 + 8 and sum("/forms" in " ".join(a) for a in trained) == 6
     assert [len(results[n][0]) for n in names] == [3, 1, 8, 6]
+    trained.clear()
+    judged.clear()
+    results = claims.run_claims(["popnorm", "popnorm"], tmp_path / "again", "full", 2, [])  # named twice: one claim
+    assert len(trained) == 2 and len(judged["popnorm"]) == 2 and list(results) == ["popnorm"]
 
 
 def write_lr(root: Path, method: str, lr: float, collapse: bool) -> None:
@@ -239,6 +260,8 @@ def test_every_claim_runs_through_the_presets_at_toy_size(every_claim: tuple[Pat
     table = pd.read_csv(folder / "claims.csv")
     # no row without a verdict (shown=true adds them): forms 2 rows, ablation 4
     assert set(table["verdict"]) <= {HOLDS, FAILS, NOT_RUN, TOO_FEW} and len(table) == 3 + 1 + 2 + 4 + 1 + 1 + 1 + 2
+    forms = table[table["source"] == CLAIMS["forms"].source]  # read from the cbn and popnorm claims' runs
+    assert set(forms["verdict"]) <= {HOLDS, FAILS} and all(m.endswith("(1)") for m in forms["measured (mean ± std (seeds))"])
     for claim in CLAIMS.values():  # every run of every claim trained on the real digits
         frame = claim_frame(claim.name, folder)
         assert len(frame) and set(frame["status"]) <= {"completed", "diverged"} and set(frame["data.name"]) == {"digits"}

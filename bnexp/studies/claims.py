@@ -477,6 +477,7 @@ def run_claims(names: Sequence[str], out: Path, scale: str, jobs: int, extra: Se
     claims read, once) and judge each claim's runs as its last cell ends (its verdicts printed
     then); each claim's findings (rows without a verdict only when ``shown``) and the exit code
     of its cells' sweeps (EXIT_FAILED when runs failed)."""
+    names = list(dict.fromkeys(names))  # a claim named twice is one claim
     listed = {name: claim_cells(name, out, scale, extra, shown) for name in names}
     cells = {name: set(listed[name]) for name in names}
     left = {name: len(cells[name]) for name in names}
@@ -518,7 +519,10 @@ def listing() -> str:
     """What ``bnexp claims`` prints without arguments."""
     lines = ["claims (bnexp claims all | NAME ... [scale=full|quick] [jobs=N] [out=DIR] [shown=true] "
              "[Hydra overrides]):"]
-    lines += [f"  {c.name:8} {c.source}: {len(c.arms)} sweep(s)" for c in CLAIMS.values()]
+    for c in CLAIMS.values():
+        shown = sum(arm.shown for arm in c.arms)
+        lines.append(f"  {c.name:8} {c.source}: {len(c.arms) - shown} sweep(s)"
+                     + (f" (+{shown} with shown=true)" if shown else ""))
     return "\n".join(lines)
 
 
