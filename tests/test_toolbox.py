@@ -238,8 +238,11 @@ def test_a_keys_completion_matches_hydras_on_a_config_of_every_kind_of_node() ->
 # Keys being typed, after other overrides: Hydra's answer, from the cache and from a composition.
 KEY_LINES = ("norm.r", "norm.", "trainer.max_", "optim.", "hydra.run.", "hydra.job.c", "schedule.milestones.",
              "model=vgg16 norm=cbn norm.", "-m norm=bn,cbn hydra.sweeper.", "norm.nokey.x", "norm.rho.",
-             "experiment=cbn/table1 hydra.sweeper.sweeps.0.", "model=nosuchmodel norm.")
-EMPTY_KEY_LINES = ("norm.nokey.x", "model=nosuchmodel norm.")  # no such key; a config Hydra cannot compose
+             "experiment=cbn/table1 hydra.sweeper.sweeps.0.", "model=nosuchmodel norm.",
+             "trainer.max_steps=7 norm.r", "norm=cbn norm.rho=2 optim.lr=0.05 norm.", "norm.nokey=3 norm.",
+             "norm.rho=1,2 norm.", "-m norm.rho=1,2 norm.", "schedule.milestones=3 schedule.")  # a list made a value
+# no such key; a config Hydra cannot compose; a key set that is not there; a sweep without -m
+EMPTY_KEY_LINES = ("norm.nokey.x", "model=nosuchmodel norm.", "norm.nokey=3 norm.", "norm.rho=1,2 norm.")
 
 
 def test_a_key_is_completed_as_hydra_completes_it_cold_and_warm(capsys: pytest.CaptureFixture[str],
@@ -265,7 +268,17 @@ def test_a_key_is_completed_as_hydra_completes_it_cold_and_warm(capsys: pytest.C
         monkeypatch.setenv("COMP_LINE", f"bnexp train {line}")  # a line Hydra answers is handed on changed
         assert run_cli(["-sc", "query=bash"], capsys) == (0, hydra), line  # warm: from the cache
         monkeypatch.setattr(bnexp.app.compose, "completion_config", compose)
-    assert len(list((tmp_path / "completion").glob("*.json"))) == 5  # one for each set of other words
+    # one for each set of other words but the values a config holds (trainer.max_steps=7, and norm.rho=2
+    # optim.lr=0.05 after norm=cbn): 5 + norm=cbn, norm.nokey=3, the two sweeps and schedule.milestones=3
+    assert len(list((tmp_path / "completion").glob("*.json"))) == 10
+    line = "norm=cbn trainer.max_steps=9 optim.momentum=0.5 norm.r"  # values never typed before
+    monkeypatch.setenv("COMP_LINE", f"bnexp {line}")
+    train_command(["-sc", "query=bash"])
+    hydra = capsys.readouterr().out
+    monkeypatch.setattr(bnexp.app.compose, "completion_config", lambda words: pytest.fail(f"composed {words}"))
+    monkeypatch.setenv("COMP_LINE", f"bnexp train {line}")
+    assert run_cli(["-sc", "query=bash"], capsys) == (0, hydra) and hydra.split()  # the config of norm=cbn answers
+    monkeypatch.setattr(bnexp.app.compose, "completion_config", compose)
     assert key_choices("norm.rho.", compose) is None  # Hydra prints the value: Hydra answers
     assert answers["norm.r"] == "norm.rho=\n" and all(answers[line] == "\n" for line in EMPTY_KEY_LINES)
     assert all(answers[line].split() for line in KEY_LINES if line not in EMPTY_KEY_LINES), answers

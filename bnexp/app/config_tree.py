@@ -33,6 +33,9 @@ PLAIN_WORD = re.compile(r"[+~]?[A-Za-z_][\w./-]*=[\w.,:/-]*|-m|--multirun")
 MULTIRUN = ("-m", "--multirun")
 # The last word of a line whose keys this module completes: a config key with a dot, being typed.
 KEY_WORD = re.compile(r"[A-Za-z_][\w-]*(?:\.[\w-]+)*\.[\w-]*")
+# An other word that sets a value (a dotted key, a plain value, no sweep): where the config of
+# the line without it holds a value there, it changes no key, and that config answers.
+VALUE_WORD = re.compile(r"(?P<key>[A-Za-z_]\w*(?:\.\w+)+)=[\w.-]*")
 ABSENT = object()  # no such key in a config node
 
 
@@ -102,19 +105,40 @@ def key_choices(words: str, compose: Callable[[list[str]], Optional[dict[str, An
     """Hydra's bash answer to a completion query of ``bnexp train WORDS`` whose last word is a
     config key with a dot (``norm.r``, ``hydra.run.``) and whose other words are plain
     overrides (after ``-m``, for a sweep's config): the keys :func:`key_matches` finds in the
-    config the other words compose, sorted, space-separated. The config comes from the cache
-    (:func:`cached_config`), else from ``compose(other words)`` (Hydra's composition as a
-    JSON object; None where it cannot be one), which is kept there. None for any other
-    line, and where the answer depends on a value: Hydra answers those."""
+    config the other words compose (:func:`line_config`), sorted, space-separated. None for
+    any other line, and where the answer depends on a value: Hydra answers those."""
     if not words.strip() or words.endswith(" "):
         return None
     *others, last = words.split()
     overrides = others[1:] if others[:1] and others[0] in MULTIRUN else others
     if not KEY_WORD.fullmatch(last) or not plain_overrides(overrides) or set(MULTIRUN) & set(overrides):
         return None
-    config = cached_config(others, compose)
+    config = line_config(others, compose)
     matches = None if config is None else key_matches(config, last)
     return None if matches is None else " ".join(sorted(set(matches)))
+
+
+def line_config(words: list[str], compose: Callable[[list[str]], Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
+    """The config whose keys a completion after ``words`` lists: that of the words without
+    the ones that set values (:data:`VALUE_WORD`) where it holds a value at each of their keys
+    (setting one changes no key: bnexp's configs are untyped YAML, so composing cannot fail
+    on a value), else that of all the words; from the cache (:func:`cached_config`)."""
+    values = [w for w in words if VALUE_WORD.fullmatch(w)]
+    if values:
+        config = cached_config([w for w in words if w not in values], compose)
+        if config is not None and all(holds_value(config, w.partition("=")[0]) for w in values):
+            return config
+    return cached_config(words, compose)
+
+
+def holds_value(config: dict[str, Any], key: str) -> bool:
+    """Whether the dotted ``key`` names a value of ``config`` (not a node), through dicts only."""
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return not isinstance(node, (dict, list))
 
 
 def cached_config(words: list[str], compose: Callable[[list[str]], Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
