@@ -127,7 +127,7 @@ def shown_as_seen(node: Container, plain: Any) -> bool:
         return False
     for key in node.keys() if isinstance(node, DictConfig) else range(len(plain)):
         child = node._get_node(key)
-        if isinstance(node, DictConfig) and not (type(key) is str or type(key) is int and not OmegaConf.is_config(child)):
+        if isinstance(node, DictConfig) and not (type(key) is str or (type(key) is int and not OmegaConf.is_config(child))):
             return False
         if OmegaConf.is_config(child) and not shown_as_seen(child, plain[key]):
             return False
