@@ -361,7 +361,7 @@ def test_claim_cells_and_the_reproduce_plan_group_rates_as_they_train() -> None:
     from bnexp.report.reproduce import rate_parts
     from bnexp.studies.claims import CLAIMS, arm_cells
 
-    cells = arm_cells("arora", CLAIMS["arora"].arms[0], Path("out"), "full", [])
+    cells = arm_cells(CLAIMS["arora"].arms[0], Path("out"), "full", [])
     rates = [next(a for a in c.args if a.startswith("optim.lr_w=")) for c in cells]
     assert len(cells) == 5 and len(set(rates)) == 5 and not any("," in r for r in rates)
     jobs = [["optim.lr=1e-3", "trainer.seed=0"], ["optim.lr=1e-2", "trainer.seed=0"], ["optim.lr=1e-3", "trainer.seed=1"]]
