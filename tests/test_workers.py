@@ -59,8 +59,10 @@ def test_joblib_workers_end_with_their_command(sig: signal.Signals, tmp_path: Pa
     """Whichever signal ends the command, both workers stop their job and end within seconds
     (long before the watcher's SIGKILL, GRACE_SECONDS after the command's end)."""
     (tmp_path / "command.py").write_text(COMMAND)
+    # started as from a terminal: Ctrl-C not ignored, even where the test runner inherited an ignored
+    # SIGINT (a job a non-interactive shell put in the background, as `nohup ... &` does)
     command = subprocess.Popen([sys.executable, str(tmp_path / "command.py"), str(tmp_path)], start_new_session=True,
-                               stderr=subprocess.DEVNULL)
+                               stderr=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     workers: list[int] = []
     try:
         assert wait_for(lambda: len(list(tmp_path.glob("started-*"))) == 2, 120)
