@@ -199,7 +199,7 @@ def judge_forms(frame: pd.DataFrame) -> list[Finding]:
         for join in ("after_act", "before_act"):
             for classifier in (True, False):
                 own = [join, classifier] == paper_form
-                runs = sample(frame, claim_folder=home if own else "forms", norm__name=norm, act__name="sigmoid",
+                runs = sample(frame, **{FOLDER: home if own else "forms"}, norm__name=norm, act__name="sigmoid",
                               norm__join=join, norm__classifier=classifier)
                 form = f"join={join}, classifier={str(classifier).lower()}"
                 if not own:
