@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from bnexp.support.errors import EXIT_CONFIG
-from bnexp.support.options import plain_text, print_error
+from bnexp.support.options import cycles_uncollected, plain_text, print_error
 
 USAGE = """usage: bnexp <command> [args]
 
@@ -49,6 +49,13 @@ def _command(module: str, function: str = "command") -> Callable[[list[str]], No
     return lambda args: getattr(importlib.import_module(module), function)(args)
 
 
+def table_command(args: list[str]) -> None:
+    """``bnexp table``: :func:`bnexp.report.table.command`, its imports included, without
+    cyclic garbage collection (:func:`~bnexp.support.options.cycles_uncollected`)."""
+    with cycles_uncollected():
+        _command("bnexp.report.table")(args)
+
+
 def train_command(args: list[str]) -> None:
     """``bnexp train``: :func:`bnexp.app.train.train_command`."""
     _command("bnexp.app.train", "train_command")(args)
@@ -56,7 +63,8 @@ def train_command(args: list[str]) -> None:
 
 COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "train": train_command,
-    **{name: _command(f"bnexp.report.{name}") for name in ("reproduce", "table", "plot")},
+    **{name: _command(f"bnexp.report.{name}") for name in ("reproduce", "plot")},
+    "table": table_command,
     "eval": _command("bnexp.report.evaluate"),
     "export": _command("bnexp.report.export"),
     "bench": _command("bnexp.bench"),

@@ -119,9 +119,14 @@ def test_recent_files_and_rows_with_warnings_are_never_kept(tmp_path: Path, monk
     held = json.loads(path.read_text())
     states = [cache.file_state(run2 / "summary.json", time.time_ns()), []]
     assert held["rows"][str(run2)][0] == states
-    for text in ("{not json", "[1, 2]", json.dumps({**held, "code": "other code"}),
+    number, values = held["rows"][str(run2)][1:]
+    values = [{"not": "packed"} if key == "result_config" else v for key, v in zip(held["keys"][number], values)]
+    for text in ("{not json", "[1, 2]", json.dumps({**held, "rows": {str(run2): [states, number, values]}}), json.dumps({**held, "code": "other code"}),
                  json.dumps({**held, "rows": {str(run2): [1, 2, 3]}}),
-                 json.dumps({**held, "rows": {str(run2): [states, "no row"]}})):
+                 json.dumps({**held, "rows": {str(run2): [states, "no row"]}}),
+                 json.dumps({**held, "rows": {str(run2): [states, 0, ["fewer values than keys"]]}}),
+                 json.dumps({**held, "rows": {str(run2): [states, len(held["keys"]), []]}}),
+                 json.dumps({**held, "keys": [[1, 2]] * len(held["keys"])})):
         path.write_text(text)
         read.clear()
         frame = load_summaries(tmp_path)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bnexp.app.cmdline import group_options
+from bnexp.app.config_tree import group_options
 from bnexp.engine.config import resolved, validate
 from bnexp.engine.identity import fingerprint
 from bnexp.engine.optim import build_schedule

@@ -14,6 +14,7 @@ import pytest
 
 from bnexp.app import config_tree
 from bnexp.bench.cli import fake_runs
+from bnexp.engine.identity import result_fingerprint
 from bnexp.report import presets
 from bnexp.support.cache import CACHE_ENV
 from tests.conftest import run_cli
@@ -62,11 +63,16 @@ def test_a_presets_job_configs_come_from_the_cache_until_a_config_file_changes(
     composed = presets.compose_job_configs("popnorm/table2", "quick", jobs)
     assert presets.job_configs("popnorm/table2", "quick", jobs) == composed
     [cached] = (tmp_path / "cache" / "job_configs").glob("*.json")
-    assert json.loads(cached.read_text()) == composed
-    cached.write_text(json.dumps([{"from": "the cache"}] * len(jobs)))
-    assert presets.job_configs("popnorm/table2", "quick", jobs) == [{"from": "the cache"}] * len(jobs)
-    cached.write_text("[{")  # damaged: composed again, and written back
-    assert presets.job_configs("popnorm/table2", "quick", jobs) == composed == json.loads(cached.read_text())
+    prints = [result_fingerprint(c) for c in composed]
+    assert json.loads(cached.read_text()) == {"configs": composed, "fingerprints": prints}
+    assert presets.load_preset("popnorm/table2", "quick").expected == dict(zip(prints, composed))
+    cached.write_text(json.dumps({"configs": [{"from": "the cache"}] * len(jobs), "fingerprints": ["f"] * len(jobs)}))
+    assert presets.job_results("popnorm/table2", "quick", jobs) == ([{"from": "the cache"}] * len(jobs), ["f"] * len(jobs))
+    for damaged in ("[{", json.dumps([{"from": "the cache"}] * len(jobs)),  # cut short; a list, as bnexp wrote before
+                    json.dumps({"configs": [{"from": "the cache"}] * len(jobs), "fingerprints": ["f"]})):
+        cached.write_text(damaged)  # composed again, and written back
+        assert presets.job_configs("popnorm/table2", "quick", jobs) == composed
+        assert json.loads(cached.read_text())["configs"] == composed
     monkeypatch.setenv(CACHE_ENV, str(cached / "x"))  # inside a file: no cache folder can be made there
     assert presets.job_configs("popnorm/table2", "quick", jobs) == composed
 

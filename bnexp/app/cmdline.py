@@ -27,7 +27,8 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from bnexp.app.compose import config_dir, group_options, hydra_session, is_group, parser
+from bnexp.app.compose import config_dir, hydra_session, is_group, parser
+from bnexp.app.config_tree import group_options
 from bnexp.app.sweep import interval_refused
 from bnexp.support.errors import ConfigError
 

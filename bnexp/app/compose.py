@@ -1,6 +1,5 @@
-"""bnexp's Hydra config tree: where it is, a Hydra session on it for ``compose``, the
-override parser, the OmegaConf resolvers the tree uses, and the config a completion query
-lists keys of."""
+"""bnexp's Hydra config tree: a Hydra session on it for ``compose``, the override parser,
+and the config a completion query lists keys of."""
 
 from __future__ import annotations
 
@@ -17,10 +16,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.types import RunMode
 from omegaconf import Container, DictConfig, OmegaConf
 
-from bnexp.app.cells import cell_dir
-from bnexp.app.config_tree import config_dir
-from bnexp.engine.identity import cell_name, run_name
-from bnexp.reference import bnp_lr
+from bnexp.app.config_tree import config_dir, register_resolvers
 from bnexp.support.registry import plugin_config_dirs
 from hydra_plugins.bnexp_searchpath import BnexpPluginConfigs, ParsedOnceConfigSource
 
@@ -46,45 +42,15 @@ def is_group(o: Override) -> bool:
                                                                for d in (config_dir(), *plugin_config_dirs())))
 
 
-# Groups that presets and train.yaml choose, never a command line: left out of `bnexp train --help`.
-INTERNAL_GROUPS = ("hydra", "protocol", "norm_defaults_layer", "sweep")
-
-
-def group_options(group: str) -> list[str]:
-    """The options of a config group, bnexp's and the ``BNEXP_PLUGINS`` ones (``experiment``:
-    ``cbn/table1``, ...)."""
-    roots = [root / group for root in (config_dir(), *plugin_config_dirs())]
-    return sorted({str(p.relative_to(root).with_suffix("")) for root in roots for p in root.rglob("*.yaml")})
-
-
-def help_groups() -> str:
-    """``bnexp train --help``'s list of config groups and their options, one group a line,
-    without the :data:`INTERNAL_GROUPS` (configs/hydra/help/bnexp.yaml)."""
-    groups = {p.name for root in (config_dir(), *plugin_config_dirs()) for p in root.iterdir()
-              if p.is_dir() and not p.name.startswith(("_", ".")) and p.name not in INTERNAL_GROUPS}
-    return "\n".join(f"{group}: {', '.join(group_options(group))}" for group in sorted(groups))
-
-
 def prepare_config_tree() -> None:
-    """What composing bnexp's config tree needs besides the tree: the OmegaConf resolvers it
-    uses (``${run_name:...}``, ``${cell_dir:...}``, ``${sweep_name:...}``, ``${bnp_lr:...}``,
-    ``${help_groups:}``, and
-    ``${cell_name:...}``, the sweep cells' folder before ``cell_dir``, for configs that name
-    it), the config source that parses each file once and the search-path plugin that reads
-    bnexp's folders with it and adds the ``BNEXP_PLUGINS`` ones (registered by hand: an
-    editable install hides ``hydra_plugins`` from Hydra's own scan)."""
+    """What composing bnexp's config tree needs besides the tree: its OmegaConf resolvers
+    (:func:`bnexp.app.config_tree.register_resolvers`), the config source that parses each
+    file once and the search-path plugin that reads bnexp's folders with it and adds the
+    ``BNEXP_PLUGINS`` ones (registered by hand: an editable install hides ``hydra_plugins``
+    from Hydra's own scan)."""
     Plugins.instance().register(ParsedOnceConfigSource)
     Plugins.instance().register(BnexpPluginConfigs)
-    resolvers = (("run_name", run_name), ("cell_dir", cell_dir), ("cell_name", cell_name), ("bnp_lr", bnp_lr),
-                 ("help_groups", help_groups))
-    for name, resolver in resolvers:
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, resolver)
-    # A sweep's folder is named once, from the sweep's command line: Hydra copies a cached
-    # value into every job's config (as it does for ${now:...}), where hydra.overrides.task
-    # holds the job's overrides instead.
-    if not OmegaConf.has_resolver("sweep_name"):
-        OmegaConf.register_new_resolver("sweep_name", run_name, use_cache=True)
+    register_resolvers()
 
 
 def completion_config(words: list[str]) -> Optional[dict[str, Any]]:

@@ -54,6 +54,49 @@ def group_configs(folder: Path) -> list[str]:
                    if name.endswith(".yaml") and os.path.isfile(os.path.realpath(folder / name))})
 
 
+# Groups that presets and train.yaml choose, never a command line: left out of `bnexp train --help`.
+INTERNAL_GROUPS = ("hydra", "protocol", "norm_defaults_layer", "sweep")
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group, bnexp's and the ``BNEXP_PLUGINS`` ones (``experiment``:
+    ``cbn/table1``, ...)."""
+    roots = [root / group for root in (config_dir(), *plugin_config_dirs())]
+    return sorted({str(p.relative_to(root).with_suffix("")) for root in roots for p in root.rglob("*.yaml")})
+
+
+def help_groups() -> str:
+    """``bnexp train --help``'s list of config groups and their options, one group a line,
+    without the :data:`INTERNAL_GROUPS` (configs/hydra/help/bnexp.yaml)."""
+    groups = {p.name for root in (config_dir(), *plugin_config_dirs()) for p in root.iterdir()
+              if p.is_dir() and not p.name.startswith(("_", ".")) and p.name not in INTERNAL_GROUPS}
+    return "\n".join(f"{group}: {', '.join(group_options(group))}" for group in sorted(groups))
+
+
+def register_resolvers() -> None:
+    """Register the OmegaConf resolvers bnexp's config tree uses, once per process:
+    ``${run_name:...}``, ``${cell_dir:...}``, ``${cell_name:...}`` (the sweep cells' folder
+    before ``cell_dir``, for configs that name it), ``${bnp_lr:...}``, ``${help_groups:}`` and
+    ``${sweep_name:...}``. Hydra composes with them; a config read back from the cache folder
+    resolves with them, without Hydra."""
+    from omegaconf import OmegaConf  # here: completion from the cache does without it
+
+    from bnexp.app.cells import cell_dir
+    from bnexp.engine.identity import cell_name, run_name
+    from bnexp.reference import bnp_lr
+
+    resolvers = (("run_name", run_name), ("cell_dir", cell_dir), ("cell_name", cell_name), ("bnp_lr", bnp_lr),
+                 ("help_groups", help_groups))
+    for name, resolver in resolvers:
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
+    # A sweep's folder is named once, from the sweep's command line: Hydra copies a cached
+    # value into every job's config (as it does for ${now:...}), where hydra.overrides.task
+    # holds the job's overrides instead.
+    if not OmegaConf.has_resolver("sweep_name"):
+        OmegaConf.register_new_resolver("sweep_name", run_name, use_cache=True)
+
+
 def group_choices(words: str) -> Optional[str]:
     """Hydra's bash answer to a completion query of ``bnexp train WORDS`` whose last word is
     ``group=start`` for a group folder of bnexp's config tree that holds configs: the options

@@ -2,7 +2,8 @@
 
 - :func:`expand`: the jobs of a multirun are the union of a preset's sweeps
   (``hydra.sweeper.sweeps``), each one Hydra's cartesian product, after
-  ``hydra.sweeper.params`` and the command line chose among them (:func:`select`); the sweeper that
+  ``hydra.sweeper.params`` and the command line chose among them
+  (:func:`bnexp.app.sweep_values.select`, which needs no Hydra); the sweeper that
   runs them (``hydra/sweeper=bnexp``, the default of ``bnexp train -m``) is the plugin
   ``hydra_plugins.bnexp_sweeper``, where Hydra requires plugins to live;
 - :func:`skip_reason`: a job whose run finished already (or whose paper lr is N/A) is not
@@ -22,7 +23,6 @@ from __future__ import annotations
 import csv
 import functools
 import io
-import itertools
 import json
 import logging
 import os
@@ -41,6 +41,7 @@ from omegaconf import DictConfig, read_write
 
 from bnexp.app.cells import lists_cells
 from bnexp.app.compose import is_group
+from bnexp.app.sweep_values import Job, Sweep, Values, select, sweep_lines, union
 from bnexp.engine.identity import PER_RUN_KEYS, cell_name, differences, fingerprint, override_key, run_differences
 from bnexp.support.errors import EXIT_FAILED, ConfigError, OtherRunThere
 from bnexp.support.runinfo import duration, read_run_json
@@ -51,15 +52,6 @@ from bnexp.support.untrusted import TABLE_FILE, open_regular
 # files) in their bodies: those modules load torch, which the table commands, users of this
 # module's sweep expansion, do without.
 log = logging.getLogger("bnexp.app.sweep")
-
-Sweep = Mapping[str, Any]  # one sweep as a preset writes it: key -> value(s) in override syntax
-Values = dict[str, list[str]]  # one sweep parsed: key -> its values
-Job = list[str]  # one job's overrides, "key=value"
-
-
-def sweep_lines(sweep: Optional[Sweep]) -> list[str]:
-    """A sweep as override strings (``act: relu,tanh`` -> ``act=relu,tanh``)."""
-    return [f"{key}={value}" for key, value in (sweep or {}).items()]
 
 
 def parse_values(lines: Sequence[str], parser: OverridesParser) -> Values:
@@ -81,46 +73,6 @@ def interval_refused(override: Override) -> ConfigError:
     """The error for an interval sweep given to bnexp's sweeper."""
     return ConfigError(f"{override.input_line}: bnexp's sweeper takes value lists and range(); an interval search "
                        "needs a search sweeper (hydra/sweeper=optuna)")
-
-
-def _bare(key: str) -> str:
-    return key.lstrip("+~")
-
-
-def _same(a: str, b: str) -> bool:
-    try:
-        return float(a) == float(b)
-    except ValueError:
-        return a == b
-
-
-def select(sweeps: Sequence[Values], given: Values) -> list[Values]:
-    """A preset's sweeps with command-line values applied.
-
-    A key that some sweeps set is a choice among them: each of those sweeps keeps the given
-    values it has, plus any given value that no sweep has (a seed beyond the preset's range,
-    say); a sweep left with none is dropped. ``cbn_row=r1`` thus runs row 1 of the untuned
-    sweep and drops the tuned one, and ``norm.rho=1.0,2.0`` shrinks the rho grid without
-    giving the untuned rows a rho. A key no sweep sets applies to every sweep.
-    """
-    chosen = [dict(sweep) for sweep in sweeps]
-    for key, values in given.items():
-        holders = [(sweep, k) for sweep in chosen for k in sweep if _bare(k) == _bare(key)]
-        if not holders:
-            for sweep in chosen:
-                sweep[key] = list(values)
-            continue
-        known = [v for sweep, k in holders for v in sweep[k]]
-        extra = [v for v in values if not any(_same(v, k) for k in known)]
-        for sweep, k in holders:
-            sweep[k] = [v for v in values if any(_same(v, w) for w in sweep[k])] + extra
-        chosen = [sweep for sweep in chosen if all(sweep[k] for k in sweep if _bare(k) == _bare(key))]
-    return chosen
-
-
-def product(sweep: Values) -> list[Job]:
-    """The jobs of one sweep: every combination of its keys' values."""
-    return [[f"{key}={value}" for key, value in zip(sweep, combo)] for combo in itertools.product(*sweep.values())]
 
 
 def expand(sweeps: Sequence[Sweep], params: Optional[Sweep], arguments: Sequence[str],
@@ -158,17 +110,6 @@ def shape_representatives(jobs: Sequence[Job], parser: OverridesParser) -> list[
         chosen.setdefault(tuple(shape(o) for o in parser.parse_overrides(job)), job)
     return list(chosen.values())
 
-
-def union(sweeps: Sequence[Values]) -> list[Job]:
-    """Every job of the sweeps, in order, a job that several sweeps make only once."""
-    jobs: list[Job] = []
-    seen: set[frozenset[str]] = set()
-    for sweep in sweeps:
-        for job in product(sweep):
-            if frozenset(job) not in seen:
-                seen.add(frozenset(job))
-                jobs.append(job)
-    return jobs
 
 
 # A run that ended with one of these is a result: re-running its command skips it. Failed,

@@ -28,7 +28,7 @@ from bnexp.probes.callback import PROBES_FILE  # noqa: E402
 from bnexp.probes.eta_tau import quantity_name  # noqa: E402
 from bnexp.probes.plot import literal, plot_probes  # noqa: E402
 from bnexp.report.layouts import Layout, same  # noqa: E402
-from bnexp.report.presets import Preset, load_preset, parse_command, sweep_folder  # noqa: E402
+from bnexp.report.presets import Preset, parse_command, read_preset, sweep_folder  # noqa: E402
 from bnexp.report.results import load_metrics, load_probes, load_summaries, run_dirs  # noqa: E402
 from bnexp.report.selection import choose, combos, preset_runs, select, unlike_paper, varying  # noqa: E402
 from bnexp.support.errors import ConfigError  # noqa: E402
@@ -297,7 +297,7 @@ def plot_for(args: list[str]) -> None:
                  "bnexp plot DIR [out=DIR] [metrics=...]")
         defaults = {"results": "", "out": "", "metrics": "", "rows": "", "scale": "full"}
         name, opts, overrides = parse_command(args, usage, defaults)
-        p = load_preset(name, opts["scale"], overrides)
+        p = read_preset(name, opts["scale"], overrides)
         results = Path(opts["results"] or p.results_dir)
         out = Path(opts["out"] or results / "plots")
         paths = plot(p, results, out, [m for m in opts["metrics"].split(",") if m],

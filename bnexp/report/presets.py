@@ -23,16 +23,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from hydra import compose
+import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from bnexp.app.cmdline import compose_or_explain
-from bnexp.app.compose import config_dir, hydra_session, is_group, parser
-from bnexp.app.config_tree import config_digest
-from bnexp.app.sweep import Job, Values, expand, parse_values, select, sweep_lines, union
+from bnexp.app.config_tree import config_digest, config_dir, read_config, register_resolvers
+from bnexp.app.sweep_values import Job, Values, select, sweep_lines, union
 from bnexp.engine.identity import override_key, result_config, result_fingerprint
 from bnexp.report.layouts import Layout, layout_from
-from bnexp.support.cache import cache_dir
+from bnexp.support.cache import cache_dir, write_cache
 from bnexp.support.errors import ConfigError, unknown_choice
 from bnexp.support.options import split_options
 from bnexp.support.runinfo import atomic_write
@@ -49,6 +47,10 @@ GPU_SECONDS_PER_STEP = {
     "mlp3x100": 0.001, "mlp2x100": 0.001, "cnn5": 0.002,
 }
 QUICK_SECONDS_PER_RUN = 3.0  # measured on a busy 2-core CPU, runs in one process
+# How a preset's config is kept in the cache folder (read_preset): libyaml's safe YAML where
+# PyYAML has it (a few milliseconds for a preset), plain PyYAML's otherwise.
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
 def sweep_folder(args: Sequence[str], defaults: Mapping[str, str]) -> tuple[Path, dict[str, str]] | None:
@@ -110,7 +112,8 @@ class Preset:
         """The result config (dotted keys, :func:`bnexp.engine.identity.result_config`) of every run
         the sweeps make, by fingerprint: a run belongs to the preset's table when its
         fingerprint is one of these."""
-        return {result_fingerprint(c): c for c in job_configs(self.name, self.scale, self.jobs)}
+        configs, prints = job_results(self.name, self.scale, self.jobs)
+        return dict(zip(prints, configs))
 
     @property
     def seeds(self) -> list[int]:
@@ -120,10 +123,11 @@ class Preset:
 
 def load_preset(name: str, scale: str = "full", overrides: Sequence[str] = ()) -> Preset:
     """Compose preset ``name`` at ``scale`` (plus command-line overrides), with its sweeps."""
-    if name not in preset_names():
-        raise unknown_choice("preset", name, preset_names())
-    if scale not in SCALES:
-        raise unknown_choice("scale", scale, SCALES)
+    from bnexp.app.cmdline import compose_or_explain  # here: a preset read from the cache needs no Hydra
+    from bnexp.app.compose import hydra_session, parser
+    from bnexp.app.sweep import parse_values
+
+    check_preset(name, scale)
     with hydra_session():
         sweep_overrides = [o.input_line for o in parser().parse_overrides(list(overrides)) if o.is_sweep_override()]
         fixed = [o for o in overrides if o not in sweep_overrides]
@@ -131,46 +135,135 @@ def load_preset(name: str, scale: str = "full", overrides: Sequence[str] = ()) -
         cfg = compose_or_explain(chosen, parser().parse_overrides(chosen))
         preset_sweeps = OmegaConf.to_container(cfg.hydra.sweeper.sweeps) or [{}]
         params = OmegaConf.to_container(cfg.hydra.sweeper.params) if cfg.hydra.sweeper.params else {}
-        task = [o for o in overrides if not o.startswith(("hydra.", "hydra/"))]  # what a job's overrides hold
-        given = parse_values([*sweep_lines(params), *task], parser())
+        given = parse_values([*sweep_lines(params), *job_overrides(overrides)], parser())
         sweeps = tuple(select([parse_values(sweep_lines(s), parser()) for s in preset_sweeps], given))
-    return Preset(name, scale, cfg, tuple(overrides), tuple(task), tuple(sweep_lines(params)), sweeps)
+    return Preset(name, scale, cfg, tuple(overrides), tuple(job_overrides(overrides)), tuple(sweep_lines(params)),
+                  sweeps)
+
+
+def check_preset(name: str, scale: str) -> None:
+    """A ConfigError naming the valid choices when ``name`` is no preset or ``scale`` no scale."""
+    if name not in preset_names():
+        raise unknown_choice("preset", name, preset_names())
+    if scale not in SCALES:
+        raise unknown_choice("scale", scale, SCALES)
+
+
+def job_overrides(overrides: Sequence[str]) -> list[str]:
+    """The command line's overrides that a job's overrides hold (Hydra's own left out)."""
+    return [o for o in overrides if not o.startswith(("hydra.", "hydra/"))]
+
+
+def read_preset(name: str, scale: str = "full", overrides: Sequence[str] = ()) -> Preset:
+    """:func:`load_preset`'s preset for the commands that only read it (``bnexp table``,
+    ``bnexp plot``), from bnexp's cache folder when it was composed before from the same
+    preset, scale, overrides and config tree (:func:`~bnexp.app.config_tree.config_digest`),
+    without Hydra; else composed and kept there. Its config is the composed one as OmegaConf
+    reads it back from plain values: the same keys and values, interpolations resolved as
+    they are read (with bnexp's resolvers), Hydra's typed nodes plain."""
+    check_preset(name, scale)
+    try:
+        path: Optional[Path] = cache_dir() / "presets" / f"{config_digest('preset', name, scale, list(overrides))}.json"
+    except OSError:  # no home folder to keep a cache in
+        path = None
+    kept = preset_from(read_config(path), name, scale, overrides) if path is not None else None
+    if kept is not None:
+        return kept
+    p = load_preset(name, scale, overrides)
+    plain = OmegaConf.to_container(p.cfg, resolve=False, enum_to_str=True)
+    try:
+        record = {"cfg": yaml_text(plain), "params": list(p.params), "sweeps": [dict(sweep) for sweep in p.sweeps]}
+        text = json.dumps(record)
+        back = yaml.load(record["cfg"], YAML_LOADER)
+        # plain values only, read back as composed, keys in their order (YAML keeps the number
+        # keys of a table's labels; the text of what is read back shows an order or type changed)
+        if path is not None and json.loads(text) == record and back == plain and yaml_text(back) == record["cfg"]:
+            write_cache(path, text.encode())
+    except (OSError, TypeError, ValueError, yaml.YAMLError):
+        pass
+    return p
+
+
+def yaml_text(plain: Any) -> str:
+    """``plain`` as YAML, its keys in their order."""
+    return yaml.dump(plain, Dumper=YAML_DUMPER, sort_keys=False)
+
+
+def preset_from(record: Optional[dict[str, Any]], name: str, scale: str, overrides: Sequence[str]) -> Optional[Preset]:
+    """The preset a cache record holds (:func:`read_preset`); None when it has another shape."""
+    if record is None or not isinstance(record.get("cfg"), str) or not is_text_list(record.get("params")):
+        return None
+    sweeps = record.get("sweeps")
+    if not isinstance(sweeps, list) or not all(isinstance(sweep, dict) and all(map(is_text_list, sweep.values()))
+                                               for sweep in sweeps):
+        return None
+    try:
+        plain = yaml.load(record["cfg"], YAML_LOADER)
+    except yaml.YAMLError:
+        return None
+    if not isinstance(plain, dict):
+        return None
+    register_resolvers()
+    cfg = OmegaConf.create(plain)
+    OmegaConf.set_struct(cfg, True)  # as composed: a key it lacks is an error, not None
+    return Preset(name, scale, cfg, tuple(overrides), tuple(job_overrides(overrides)), tuple(record["params"]),
+                  tuple(sweeps))
+
+
+def is_text_list(value: Any) -> bool:
+    """Whether ``value`` is a list of strings."""
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
 
 
 def job_configs(name: str, scale: str, jobs: Sequence[Job]) -> list[dict[str, Any]]:
     """The result config of each job of a preset, as its run would record it
-    (:func:`compose_job_configs`), from the cache when this preset, scale and job list were
-    composed before with the same config files, bnexp code and Hydra (:func:`cache_key`).
-    Callers at the same time wait for the first to compose; where the cache cannot be read
-    or written, the configs are composed without it."""
+    (:func:`compose_job_configs`; :func:`job_results`)."""
+    return job_results(name, scale, jobs)[0]
+
+
+def job_results(name: str, scale: str, jobs: Sequence[Job]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The result config of each job of a preset, as its run would record it
+    (:func:`compose_job_configs`), and its fingerprint; from the cache when this preset, scale
+    and job list were composed before with the same config files, bnexp code and Hydra
+    (:func:`cache_key`). Callers at the same time wait for the first to compose; where the
+    cache cannot be read or written, the configs are composed without it."""
     try:
         path = cache_dir() / "job_configs" / f"{cache_key(name, scale, jobs)}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_suffix(".lock"), "w")
     except OSError:
-        return compose_job_configs(name, scale, jobs)
+        return with_fingerprints(compose_job_configs(name, scale, jobs))
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
-        configs = cached_configs(path, len(jobs))
-        if configs is None:
-            configs = compose_job_configs(name, scale, jobs)
-            text = json.dumps(configs)
-            if json.loads(text) == configs:  # plain values only: what is read back is what was composed
+        found = cached_configs(path, len(jobs))
+        if found is None:
+            found = with_fingerprints(compose_job_configs(name, scale, jobs))
+            record = {"configs": found[0], "fingerprints": found[1]}
+            text = json.dumps(record)
+            if json.loads(text) == record:  # plain values only: what is read back is what was composed
                 try:
                     atomic_write(path, lambda f: f.write(text.encode()))
                 except OSError:
                     pass
-    return configs
+    return found
 
 
-def cached_configs(path: Path, count: int) -> Optional[list[dict[str, Any]]]:
-    """The ``count`` configs a cache file holds; None when it is missing or holds anything else."""
+def with_fingerprints(configs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """``configs`` (result configs) and the fingerprint of each."""
+    return configs, [result_fingerprint(c) for c in configs]
+
+
+def cached_configs(path: Path, count: int) -> Optional[tuple[list[dict[str, Any]], list[str]]]:
+    """The ``count`` configs a cache file holds and their fingerprints; None when it is
+    missing or holds anything else."""
     try:
-        configs = json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if isinstance(configs, list) and len(configs) == count and all(isinstance(c, dict) for c in configs):
-        return configs
+    configs, prints = (record.get("configs"), record.get("fingerprints")) if isinstance(record, dict) else (None, None)
+    if isinstance(configs, list) and len(configs) == count and all(isinstance(c, dict) for c in configs) \
+            and is_text_list(prints) and len(prints) == count:
+        return configs, prints
     return None
 
 
@@ -185,6 +278,10 @@ def compose_job_configs(name: str, scale: str, jobs: Sequence[Job]) -> list[dict
     combination of group choices is composed once; a job's values are set on it, the config
     resolved (so interpolations such as the BNP learning rates follow them), and the
     values set back. Each distinct override is parsed once."""
+    from hydra import compose  # here: a preset read from the cache needs no Hydra
+
+    from bnexp.app.compose import hydra_session, is_group, parser
+
     configs, bases = [], {}
     with hydra_session():
         read = parser()
@@ -224,6 +321,9 @@ def _restore(cfg: DictConfig, raw: Mapping[str, Any], key: str) -> None:
 
 def count(p: Preset, sweeps: Sequence[Sequence[str]]) -> int:
     """How many runs these command-line sweeps of the preset make (with its params)."""
+    from bnexp.app.compose import hydra_session, parser
+    from bnexp.app.sweep import expand
+
     with hydra_session():
         return sum(len(expand([{}], None, [*p.params, *p.task, *sweep], parser())) for sweep in sweeps)
 

@@ -24,7 +24,7 @@ import re
 import reprlib
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import pandas as pd
 import yaml
@@ -42,7 +42,8 @@ from bnexp.support.untrusted import RECORD_FILE, TABLE_FILE, read_regular, read_
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 REPLICATES = ("trainer.seed",)  # overrides whose runs a cell pools
 SUMMARY = "summary.json"
-ROWS_FORMAT = 1  # the RowCache file's layout
+ROWS_FORMAT = 2  # the RowCache file's layout
+RESULT = "result_config"  # the column of a run's result config (a mapping), kept as a row is (RowCache)
 NAMES = frozenset((SUMMARY, CELLS))  # the files run_dirs looks for
 # The summary fields that tables and plots compute with: a number or null in any summary.
 NUMERIC_FIELDS = re.compile(r"(final|best)_\w+|steps_per_epoch|num_classes|wall_seconds|epochs|steps|params")
@@ -186,18 +187,34 @@ def run_dirs(folder: Path) -> list[Path]:
     summary.json, then those its sweep folders list (:mod:`bnexp.app.cells`: the cells of an
     ad-hoc sweep train where single runs do) that hold one. One walk of the tree finds both
     as ``Path.rglob`` does: an entry of that name that exists (a link followed to its target),
-    also in a folder that can be entered but not listed; links to folders are not walked."""
-    found: dict[str, list[Path]] = {SUMMARY: [], CELLS: []}
-
-    def add(root: str, names: Iterable[str]) -> None:
-        for name in NAMES.intersection(names):
-            if os.path.exists(path := Path(root, name)):
-                found[name].append(path)
-
-    for root, dirs, files in os.walk(folder, onerror=lambda err: add(err.filename, NAMES)):
-        add(root, dirs + files)
-    inside = [p.parent for p in sorted(found[SUMMARY])]
-    listed = [d for lists in sorted(found[CELLS]) for d in cells_listed(lists.parent) if (d / SUMMARY).is_file()]
+    also in a folder that can be entered but not listed; links to folders are not walked.
+    The walk reads each folder's entries once and asks the file system about links alone."""
+    found: dict[str, list[str]] = {SUMMARY: [], CELLS: []}  # folders, as the walk spells them
+    folders = [os.fspath(folder)]
+    while folders:
+        root = folders.pop()
+        here, below = [], []
+        try:
+            with os.scandir(root) as entries:
+                for entry in entries:
+                    try:
+                        exists, walked = not entry.is_symlink() or os.path.exists(entry.path), entry.is_dir(
+                            follow_symlinks=False)
+                    except OSError:  # a file system that gives no entry types, then no answer
+                        exists, walked = os.path.exists(entry.path), False
+                    if entry.name in NAMES and exists:
+                        here.append(entry.name)
+                    if walked:
+                        below.append(entry.path)
+        except OSError:  # not listed: the names are looked up one by one
+            here, below = [name for name in NAMES if os.path.exists(os.path.join(root, name))], []
+        for name in here:
+            found[name].append(root)
+        folders += below
+    # in the order of the folders' paths as Path compares them: part by part
+    inside = [Path(d) for d in sorted(found[SUMMARY], key=lambda d: d.split(os.sep))]
+    listed = [d for lists in sorted(found[CELLS], key=lambda d: d.split(os.sep)) for d in cells_listed(Path(lists))
+              if (d / SUMMARY).is_file()]
     if not listed:  # one walk names each folder once
         return inside
     return list({d.resolve(): d for d in [*inside, *listed]}.values())
@@ -211,7 +228,9 @@ class RowCache:
     the last :data:`~bnexp.support.cache.RACY_SECONDS` are never kept. The file is JSON made
     by bnexp (the cache folder is the user's own), dropped whole when bnexp's files changed,
     and each entry is checked for its shape as it is looked up; a file that cannot be used is
-    an empty cache, and without a cache folder nothing is kept."""
+    an empty cache, and without a cache folder nothing is kept. A row is kept as its values
+    and the number of its list of keys, which the runs of a folder share (:meth:`packed`):
+    the file is read at every table, and its keys were most of it."""
 
     def __init__(self, results: Path) -> None:
         try:
@@ -220,41 +239,69 @@ class RowCache:
         except OSError:
             self.path = None
         self.code = f"{ROWS_FORMAT}:{package_digest()}"
-        self.kept = self.read()
+        self.kept, self.keys = self.read()
         self.now = time.time_ns()
-        self.rows: dict[str, list[Any]] = {}
+        self.rows: dict[str, list[Any]] = {}  # this command's rows to keep: [states, row]
+        self.read_again = False  # whether a row to keep was read from its files
 
-    def read(self) -> dict[str, Any]:
-        """The file's rows when it holds rows of this bnexp's code; empty otherwise."""
+    def read(self) -> tuple[dict[str, Any], list[list[str]]]:
+        """The file's rows and key lists (lists of strings) when it holds rows of this bnexp's
+        code; empty otherwise."""
         try:
             held = json.loads(read_regular(self.path, TABLE_FILE)) if self.path else {}
         except (OSError, ValueError, RecursionError):
-            return {}
-        rows = held.get("rows") if isinstance(held, dict) and held.get("code") == self.code else None
-        return rows if isinstance(rows, dict) else {}
+            return {}, []
+        if not isinstance(held, dict) or held.get("code") != self.code:
+            return {}, []
+        rows, keys = held.get("rows"), held.get("keys")
+        if not (isinstance(rows, dict) and isinstance(keys, list)
+                and all(isinstance(names, list) and all(isinstance(k, str) for k in names) for names in keys)):
+            return {}, []
+        return rows, keys
 
     def row(self, run_dir: Path) -> Optional[dict[str, Any]]:
         """The run's row: the kept one when its files are unchanged, else :func:`summary_row`'s."""
-        key = os.path.abspath(run_dir)
-        states = [file_state(run_dir / SUMMARY, self.now), file_state(run_dir / ".hydra" / "overrides.yaml", self.now)]
+        folder = os.fspath(run_dir)
+        key = os.path.abspath(folder)
+        states = [file_state(os.path.join(folder, SUMMARY), self.now),
+                  file_state(os.path.join(folder, ".hydra", "overrides.yaml"), self.now)]
         kept = self.kept.get(key)
-        if None not in states and isinstance(kept, list) and len(kept) == 2 and kept[0] == states \
-                and isinstance(kept[1], dict):
-            self.rows[key] = kept
-            return {**kept[1], "run_dir": str(run_dir)}
+        if None not in states and isinstance(kept, list) and len(kept) == 3 and kept[0] == states:
+            row = self.unpacked(kept[1:])
+            result = self.unpacked(row.get(RESULT)) if row is not None else None
+            if row is not None and result is not None:
+                row[RESULT] = result
+                self.rows[key] = [states, row]
+                return {**row, "run_dir": str(run_dir)}
         row = summary_row(run_dir / SUMMARY)
         if row is not None and row.get("fingerprint") is not None and None not in states:
             self.rows[key] = [states, row]
+            self.read_again = True
         return row
+
+    def unpacked(self, entry: Any) -> Optional[dict[str, Any]]:
+        """The mapping ``[number of its key list, its values]`` stands for (:meth:`packed`);
+        None for anything else."""
+        if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int and 0 <= entry[0] < len(self.keys)
+                and isinstance(entry[1], list)):
+            return None
+        keys = self.keys[entry[0]]
+        return dict(zip(keys, entry[1])) if len(keys) == len(entry[1]) else None
 
     def save(self) -> None:
         """Write the rows of this command's runs unless the file holds exactly those; a cache
         that cannot be written is passed over."""
-        if self.path is None or (self.rows.keys() == self.kept.keys()
-                                 and all(self.kept[k] is v for k, v in self.rows.items())):
+        if self.path is None or (not self.read_again and self.rows.keys() == self.kept.keys()):
             return
+        keys: dict[tuple[str, ...], int] = {}
+
+        def packed(mapping: dict[str, Any]) -> list[Any]:
+            """``[number of its key list, its values]``, its keys added to the file's lists."""
+            return [keys.setdefault(tuple(mapping), len(keys)), list(mapping.values())]
+
+        rows = {key: [states, *packed({**row, RESULT: packed(row[RESULT])})] for key, (states, row) in self.rows.items()}
         try:
-            write_cache(self.path, json.dumps({"code": self.code, "rows": self.rows}).encode())
+            write_cache(self.path, json.dumps({"code": self.code, "keys": list(keys), "rows": rows}).encode())
         except (OSError, TypeError, ValueError):
             pass
 

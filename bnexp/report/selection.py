@@ -62,7 +62,7 @@ def best_choice(runs: pd.DataFrame, key: str, metric: str, seed: str = "trainer.
         return None
     groups = dict(tuple(done.groupby(key)))
     common = set.intersection(*(set(g[seed]) for g in groups.values()))
-    means = {v: g[g[seed].isin(common)][metric].mean() if common else g[metric].mean() for v, g in groups.items()}
+    means = {v: g.loc[g[seed].isin(common), metric].mean() if common else g[metric].mean() for v, g in groups.items()}
     return max(sorted(means), key=lambda v: means[v])
 
 

@@ -28,7 +28,7 @@ import pandas as pd
 
 from bnexp.reference import published
 from bnexp.report.layouts import METRIC_LABELS, METRICS, Layout, same
-from bnexp.report.presets import SEED, Preset, load_preset, parse_command, sweep_folder
+from bnexp.report.presets import SEED, Preset, parse_command, read_preset, sweep_folder
 from bnexp.report.results import load_summaries, seconds_per_epoch
 from bnexp.report.selection import choose, combos, completed, preset_runs, select, tuned_key, unlike_paper, varying
 from bnexp.report.verdicts import benjamini_hochberg, holm, selection_adjusted, tost, welch, welch_p
@@ -160,12 +160,18 @@ def paper_value(layout: Layout, keys: Mapping[str, Any], metric: str) -> Publish
     """(mean, std, runs) published for this cell, if the paper printed one."""
     if layout.paper is None:
         return None
-    ref = published()
-    ref = ref[(ref["paper"] == layout.paper) & (ref["table"] == layout.table) & (ref["metric"] == metric)]
+    ref = published_cells(layout.paper, layout.table, metric)
     for axis in (*layout.rows, *layout.columns):
         if axis.published:
-            ref = ref[ref[axis.published].map(lambda v: same(v, keys[axis.key]))]
-    return Published(*(float(ref[col].iloc[0]) for col in Published._fields)) if len(ref) else None
+            ref = [row for row in ref if same(row[axis.published], keys[axis.key])]
+    return Published(*(float(ref[0][col]) for col in Published._fields)) if ref else None
+
+
+@functools.lru_cache(maxsize=None)
+def published_cells(paper: str, table: str, metric: str) -> tuple[dict[str, Any], ...]:
+    """The published rows of one paper's table and metric, in the file's order."""
+    ref = published()
+    return tuple(ref[(ref["paper"] == paper) & (ref["table"] == table) & (ref["metric"] == metric)].to_dict("records"))
 
 
 def fmt_paper(value: Published | None) -> str:
@@ -314,6 +320,7 @@ def build(layout: Layout, frame: pd.DataFrame, default_seed: int = 0, tests: Tes
     verdicts: list[Verdict] = []
     baseline: dict[str, tuple[float, float]] = {}
     for row in rows:
+        row_runs = select(frame, row)  # each cell's runs are among its row's
         line = {a.name: a.label(row[a.key]) for a in layout.rows}
         line |= {flag: "x" if any(same(v, row[layout.rows[0].key]) for v in marked) else ""
                  for flag, marked in layout.flags.items()}
@@ -324,7 +331,8 @@ def build(layout: Layout, frame: pd.DataFrame, default_seed: int = 0, tests: Tes
             paper = paper_value(layout, keys, metric)
             ours = Cell()
             if made(keys):
-                ours = cell(frame, layout, keys, METRICS[metric], expected_runs(layout, keys, default_seed, tests), tests)
+                ours = cell(row_runs, layout, keys, METRICS[metric], expected_runs(layout, keys, default_seed, tests),
+                            tests)
                 cells.append(ours)
             line[name] = ours.text(layout.tune_name) if made(keys) else "n/a"
             means[name] = (ours.mean, paper[0] if paper else math.nan)
@@ -355,6 +363,8 @@ def column_name(layout: Layout, col: Mapping[str, Any], metric: str) -> str:
 def render(table: pd.DataFrame, fmt: str, title: str, figure: bytes | None = None, legend: str = LEGEND) -> str:
     """Markdown (pandas + tabulate), LaTeX (pandas Styler, booktabs), CSV, or a
     self-contained HTML page (with ``figure``, a PNG, embedded)."""
+    table = table.copy(deep=False)
+    table.attrs = {}  # what build keeps there is read by legend_of; pandas would copy it at every step
     if fmt == "markdown":
         text = table.map(markdown_text).rename(columns=markdown_text).to_markdown(index=False, disable_numparse=True)
         return f"{markdown_text(title)}\n\n{text}\n\n{legend}\n"
@@ -597,7 +607,7 @@ def text_for(args: list[str]) -> str:
         defaults = {"results": "", "format": "markdown", "scale": "full", "out": "", "equivalence": "off",
                     "tune_seeds": ""}
         name, options, overrides = parse_command(args, usage, defaults)
-        p = load_preset(name, options["scale"], overrides)
+        p = read_preset(name, options["scale"], overrides)
         results = Path(options["results"] or p.results_dir)
         text = table_text(p, results, options["format"], equivalence_margin(options["equivalence"]),
                           seed_count(options["tune_seeds"], "tune_seeds"))

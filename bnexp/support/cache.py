@@ -61,7 +61,7 @@ def tree_digest(digest: "hashlib._Hash", roots: Iterable[Path]) -> None:
             digest.update(path.read_bytes())
 
 
-def file_state(path: Path, now_ns: int) -> Optional[list[int]]:
+def file_state(path: str | Path, now_ns: int) -> Optional[list[int]]:
     """What changes when a file is written, replaced or touched (device, inode, size, and
     modification and change times in nanoseconds); empty when there is no such file; None
     when it changed within :data:`RACY_SECONDS` of ``now_ns`` (see there), so not to be cached."""
