@@ -121,7 +121,8 @@ def test_recent_files_and_rows_with_warnings_are_never_kept(tmp_path: Path, monk
     assert held["rows"][str(run2)][0] == states
     number, values = held["rows"][str(run2)][1:]
     values = [{"not": "packed"} if key == "result_config" else v for key, v in zip(held["keys"][number], values)]
-    for text in ("{not json", "[1, 2]", json.dumps({**held, "rows": {str(run2): [states, number, values]}}), json.dumps({**held, "code": "other code"}),
+    for text in ("{not json", "[1, 2]", json.dumps({**held, "rows": {str(run2): [states, number, values]}}),
+                 json.dumps({**held, "code": "other code"}),
                  json.dumps({**held, "rows": {str(run2): [1, 2, 3]}}),
                  json.dumps({**held, "rows": {str(run2): [states, "no row"]}}),
                  json.dumps({**held, "rows": {str(run2): [states, 0, ["fewer values than keys"]]}}),
@@ -149,12 +150,14 @@ def rglob_run_dirs(folder: Path) -> list[Path]:
 
 
 def test_one_walk_finds_the_runs_rglob_finds(tmp_path: Path) -> None:
-    """Nested runs, a hidden folder, a folder named summary.json, a symbolic link to a run's
+    """Nested runs, a hidden folder, folders whose names sort otherwise as text than as paths
+    (``a-b``, ``a,c`` beside ``a``), a folder named summary.json, a symbolic link to a run's
     folder (not followed), to a summary file and to nothing, and a sweep folder listing cells
     elsewhere (one also under the tree): the same folders in the same order as two rglob walks."""
     write_runs(tmp_path / "tree" / "a")
-    (tmp_path / "tree" / ".hidden" / "r").mkdir(parents=True)
-    (tmp_path / "tree" / ".hidden" / "r" / "summary.json").write_text("{}")
+    for hidden in (".hidden", "a-b", "a,c"):
+        (tmp_path / "tree" / hidden / "r").mkdir(parents=True)
+        (tmp_path / "tree" / hidden / "r" / "summary.json").write_text("{}")
     (tmp_path / "tree" / "odd" / "summary.json").mkdir(parents=True)
     (tmp_path / "tree" / "link").symlink_to(tmp_path / "tree" / "a" / "run0")
     (tmp_path / "tree" / "file_link").mkdir()
@@ -165,7 +168,7 @@ def test_one_walk_finds_the_runs_rglob_finds(tmp_path: Path) -> None:
     (tmp_path / "tree" / "sweep").mkdir()
     (tmp_path / "tree" / "sweep" / CELLS).write_text("../../elsewhere/run4\n../a/run5\n../../elsewhere/run0\nnope\n")
     walked = run_dirs(tmp_path / "tree")
-    assert walked == rglob_run_dirs(tmp_path / "tree") and len(walked) == 12 + 3 + 2
+    assert walked == rglob_run_dirs(tmp_path / "tree") and len(walked) == 12 + 3 + 2 + 2
     (tmp_path / "tree" / "sweep" / CELLS).unlink()
     assert run_dirs(tmp_path / "tree") == rglob_run_dirs(tmp_path / "tree")
     assert run_dirs(tmp_path / "missing") == rglob_run_dirs(tmp_path / "missing") == []

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from omegaconf import OmegaConf
 
 from bnexp.app import config_tree
 from bnexp.bench.cli import fake_runs
@@ -20,8 +22,8 @@ from bnexp.support.cache import CACHE_ENV
 from tests.conftest import run_cli
 
 # Each command as the README writes it, run in one fresh interpreter: whether torch and Hydra
-# were imported once it has answered (a table needs Hydra to compose its preset; completing a
-# group's options does not, completing a key does).
+# were imported once it has answered (with an empty cache folder a table needs Hydra to compose
+# its preset and a key's completion the config it lists; completing a group's options does not).
 IMPORTS = """
 import json, os, sys
 from bnexp.cli import main
@@ -45,7 +47,7 @@ def test_help_version_completion_and_table_import_no_torch(tmp_path: Path) -> No
                 (["-sc", "query=bash"], "bnexp train norm.r"), (["train", "--help"], ""),
                 (["table", "popnorm/table2", "format=markdown"], "")]
     done = subprocess.run([sys.executable, "-c", IMPORTS, json.dumps(commands)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env={**os.environ, CACHE_ENV: str(tmp_path / "cache")})
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stderr.strip().splitlines()[-1])
     assert [(torch, hydra) for _, _, torch, hydra in found] == [(False, False)] * 4 + [(False, True)] * 4, found
@@ -102,6 +104,61 @@ def test_a_key_completed_from_the_cache_imports_neither_torch_nor_hydra(tmp_path
         assert [(torch, hydra) for _, _, torch, hydra in found] == [(False, cold)] * 2, (cold, found)
         answers.append(done.stdout)
     assert answers[0] == answers[1] and "norm.rho=" in answers[0].split() and "optim.lr=" in answers[0].split()
+
+
+@pytest.mark.parametrize("name, scale, overrides", [("cbn/table1", "full", ()), ("bnp/cnn5", "full", ()),
+                                                     ("cbn/table1", "quick", ("cbn_row=r1", "trainer.seed=0,1"))])
+def test_a_preset_read_back_from_the_cache_is_the_composed_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              name: str, scale: str, overrides: tuple[str, ...]) -> None:
+    """read_preset composes once and reads the preset back after: the same config (keys in
+    their order, number keys, interpolations kept, the values they resolve to: bnp_lr's
+    learning rates), sweeps, jobs, layout and folder, and a config that refuses unknown keys
+    as the composed one does. A record of another shape, or no cache folder, composes again."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    composed = presets.load_preset(name, scale, overrides)
+
+    def plain(p: presets.Preset) -> tuple:
+        unresolved = yaml.safe_dump(OmegaConf.to_container(p.cfg, resolve=False, enum_to_str=True), sort_keys=False)
+        resolved = {key: OmegaConf.to_container(p.cfg[key], resolve=True) if OmegaConf.is_config(p.cfg[key])
+                    else p.cfg[key] for key in p.cfg if key != "hydra"}
+        return (unresolved, resolved, p.sweeps, p.params, p.task, p.overrides, p.jobs, p.layout, p.results_dir, p.seeds)
+
+    assert plain(presets.read_preset(name, scale, overrides)) == plain(composed)
+    monkeypatch.setattr(presets, "load_preset", lambda *args: pytest.fail("composed again"))
+    kept = presets.read_preset(name, scale, overrides)
+    assert plain(kept) == plain(composed)
+    with pytest.raises(Exception, match="no_such_key"):
+        kept.cfg.trainer.no_such_key
+    monkeypatch.undo()
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    [record] = (tmp_path / "cache" / "presets").glob("*.json")
+    held = json.loads(record.read_text())
+    for damaged in ("{", "[]", json.dumps({**held, "cfg": "[1, 2]"}), json.dumps({**held, "cfg": "a: ["}),
+                    json.dumps({**held, "sweeps": [{"act": "relu"}]}), json.dumps({**held, "params": [1]})):
+        record.write_text(damaged)
+        assert plain(presets.read_preset(name, scale, overrides)) == plain(composed)
+        assert json.loads(record.read_text()) == held  # written again
+    monkeypatch.setenv(CACHE_ENV, str(record / "x"))  # inside a file: no cache folder
+    assert plain(presets.read_preset(name, scale, overrides)) == plain(composed)
+
+
+def test_a_table_read_from_the_cache_imports_neither_torch_nor_hydra(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bnexp table`` composes its preset with Hydra the first time (into an empty cache
+    folder) and reads it back after without importing Hydra, printing the same table; so for a
+    preset given overrides, a sweep among them."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    fake_runs("popnorm/table2", tmp_path / "results" / "popnorm" / "table2")
+    commands = [(["table", "popnorm/table2"], ""), (["table", "popnorm/table2", "trainer.seed=0,1", "format=csv"], "")]
+    answers = []
+    for cold in (True, False):
+        done = subprocess.run([sys.executable, "-c", IMPORTS, json.dumps(commands)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        found = json.loads(done.stderr.strip().splitlines()[-1])
+        assert [(torch, hydra) for _, _, torch, hydra in found] == [(False, cold)] * 2, (cold, found)
+        answers.append(done.stdout)
+    assert answers[0] == answers[1] and "80.00 (1)" in answers[0] and "80.00 (1 of 2; 1 missing)" in answers[0]
 
 
 def test_a_keys_config_is_kept_until_what_it_is_composed_from_changes(tmp_path: Path,

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import mpmath
+import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
@@ -212,3 +213,37 @@ def test_timing_reads_training_seconds_from_the_time_probe(tmp_path: Path) -> No
                                     + "".join(f"{s},time,all,{q},{v}\n" for s, q, v in rows))
     table = build(load_preset("bnp/timing").layout, load_summaries(tmp_path)).set_index("Method")
     assert table.loc["BN", "batch 16"] == "4.67 (1)"  # (4 + 3) s / 15 steps x 10 steps per epoch
+
+
+def test_the_tuned_value_is_the_best_mean_over_the_seeds_every_value_completed() -> None:
+    """best_choice, on frames with missing seeds, failed and diverged runs, runs without the
+    metric and tied means, picks what the rule written out plainly picks: each value's runs
+    on the seeds every value completed (all its runs where no seed is common), their mean, the
+    highest (the smallest value among ties)."""
+    import random
+
+    from bnexp.report.selection import best_choice
+
+    def plainly(runs: pd.DataFrame) -> float | None:
+        done = runs[(runs["status"] == "completed") & runs["final_top1"].notna()]
+        if done.empty:
+            return None
+        groups = dict(tuple(done.groupby("norm.rho")))
+        common = set.intersection(*(set(g["trainer.seed"]) for g in groups.values()))
+        means = {v: g[g["trainer.seed"].isin(common)]["final_top1"].mean() if common else g["final_top1"].mean()
+                 for v, g in groups.items()}
+        return max(sorted(means), key=lambda v: means[v])
+
+    draw = random.Random(0)
+    chosen = set()
+    for _ in range(300):
+        runs = pd.DataFrame([{"norm.rho": rho, "trainer.seed": seed, "status": draw.choice(["completed"] * 6 + ["failed", "diverged"]),
+                              "final_top1": draw.choice([None, 80.0, 80.5, 81.0, 90.1, draw.uniform(70, 95)])}
+                             for rho in (0.5, 1.0, 2.0, 4.0) for seed in range(draw.randint(1, 4))
+                             if draw.random() < 0.8])
+        if runs.empty:
+            continue
+        assert best_choice(runs, "norm.rho", "final_top1") == plainly(runs), runs
+        chosen.add(plainly(runs))
+    assert chosen == {0.5, 1.0, 2.0, 4.0}
+    assert best_choice(runs.assign(status="failed"), "norm.rho", "final_top1") is None

@@ -1,7 +1,7 @@
-"""Where bnexp's config tree is, a digest of what composing it reads, and the shell completion
-of a config group's options and of a config key without importing Hydra: each TAB press
-starts a process, and Hydra's import alone takes most of the half second a completion may
-take (docs/benchmarks.md).
+"""Where bnexp's config tree is, its groups and the OmegaConf resolvers it uses, a digest of what
+composing it reads, and the shell completion of a config group's options and of a config key,
+all without importing Hydra: each TAB press starts a process, and Hydra's import alone takes
+most of the half second a completion may take (docs/benchmarks.md).
 
 :func:`group_choices` answers the commonest query, ``bnexp train ... norm=cb<TAB>``, as
 Hydra's bash completion would (the ``.yaml`` files directly in the group's folder, as

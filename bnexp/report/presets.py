@@ -9,7 +9,8 @@ commands use the sweeps' values without expanding them; ``bnexp reproduce`` expa
 Matching runs to a preset's cells composes the config of every job (:func:`job_configs`:
 CBN Table 1 is 1,350 of them, seconds to minutes of Hydra); the result is kept in bnexp's
 cache folder (:func:`cache_dir`) under a key that changes with anything that could change
-it, so the table commands compose once per preset and config tree.
+it, so the table commands compose once per preset and config tree. They read the preset
+itself from there too (:func:`read_preset`): a table after the first imports no Hydra.
 """
 
 from __future__ import annotations

@@ -288,15 +288,19 @@ def with_metrics(frame: pd.DataFrame, layout: Layout) -> pd.DataFrame:
     return frame
 
 
-# What a cell reads of a run besides its layout's keys: the stability rule of a tuned cell
-# (bnexp.report.stability) reads the run's folder, class count and any recorded collapse.
-CELL_FIELDS = ("status", SEED, "run_dir", "num_classes", "collapsed", *METRICS.values())
+# What a cell reads of a run besides its layout's keys and metrics; the stability rule of a
+# tuned cell (bnexp.report.stability) reads the run's folder, class count, top-1 and any
+# recorded collapse.
+CELL_FIELDS = ("status", SEED)
+STABILITY_FIELDS = ("run_dir", "num_classes", "final_top1", "collapsed")
 
 
 def cell_columns(frame: pd.DataFrame, layout: Layout) -> pd.DataFrame:
-    """``frame`` with only the columns a table's cells read (:data:`CELL_FIELDS` and the
-    layout's keys): selecting the runs of each cell then copies a few columns, not all."""
-    used = {*CELL_FIELDS, *(a.key for a in (*layout.rows, *layout.columns)), layout.tune}
+    """``frame`` with only the columns a table's cells read (:data:`CELL_FIELDS`, the layout's
+    keys and metrics, the :data:`STABILITY_FIELDS` where it chooses the largest stable value):
+    selecting the runs of each cell then copies a few columns, not all."""
+    used = {*CELL_FIELDS, *(a.key for a in (*layout.rows, *layout.columns)), layout.tune,
+            *(METRICS[m] for m in layout.metrics), *(STABILITY_FIELDS if layout.select == "max_stable" else ())}
     return frame[[c for c in frame.columns if c in used]]
 
 
