@@ -66,15 +66,20 @@ def test_a_presets_job_configs_come_from_the_cache_until_a_config_file_changes(
     assert presets.job_configs("popnorm/table2", "quick", jobs) == composed
     [cached] = (tmp_path / "cache" / "job_configs").glob("*.json")
     prints = [result_fingerprint(c) for c in composed]
-    assert json.loads(cached.read_text()) == {"configs": composed, "fingerprints": prints}
+    assert json.loads(cached.read_text()) == composed
+    assert presets.job_fingerprints("popnorm/table2", "quick", jobs) == prints
+    fingerprints = cached.with_suffix(".fingerprints.json")
+    assert json.loads(fingerprints.read_text()) == prints
     assert presets.load_preset("popnorm/table2", "quick").expected == dict(zip(prints, composed))
-    cached.write_text(json.dumps({"configs": [{"from": "the cache"}] * len(jobs), "fingerprints": ["f"] * len(jobs)}))
-    assert presets.job_results("popnorm/table2", "quick", jobs) == ([{"from": "the cache"}] * len(jobs), ["f"] * len(jobs))
-    for damaged in ("[{", json.dumps([{"from": "the cache"}] * len(jobs)),  # cut short; a list, as bnexp wrote before
-                    json.dumps({"configs": [{"from": "the cache"}] * len(jobs), "fingerprints": ["f"]})):
+    cached.write_text(json.dumps([{"from": "the cache"}] * len(jobs)))
+    fingerprints.write_text(json.dumps(["f"] * len(jobs)))
+    assert presets.job_configs("popnorm/table2", "quick", jobs) == [{"from": "the cache"}] * len(jobs)
+    assert presets.job_fingerprints("popnorm/table2", "quick", jobs) == ["f"] * len(jobs)
+    for damaged in ("[{", json.dumps({"configs": composed}), json.dumps(composed[:1])):
         cached.write_text(damaged)  # composed again, and written back
-        assert presets.job_configs("popnorm/table2", "quick", jobs) == composed
-        assert json.loads(cached.read_text())["configs"] == composed
+        fingerprints.write_text(damaged)
+        assert presets.job_fingerprints("popnorm/table2", "quick", jobs) == prints
+        assert json.loads(cached.read_text()) == composed and json.loads(fingerprints.read_text()) == prints
     monkeypatch.setenv(CACHE_ENV, str(cached / "x"))  # inside a file: no cache folder can be made there
     assert presets.job_configs("popnorm/table2", "quick", jobs) == composed
 

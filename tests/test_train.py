@@ -143,6 +143,8 @@ def test_offline_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
                              "did you mean trainer.epochs?"),
         ("trainer.epoch=3", "unknown key 'trainer.epoch'; did you mean trainer.epochs?"),
         ("nrom=cbn", "unknown config group or key 'nrom'; did you mean norm?"),
+        ("cbn_row=r1", "config group 'cbn_row' is not in this config's defaults, so cbn_row=... has nothing to "
+                       "replace: +cbn_row=OPTION adds it (options: r1, r2, r3, r4, r5, r6, r7)"),
         ("norm=bn,cbn", "norm=bn,cbn gives several values: add -m to run one job per value"),
         ("norm=bnp norm.placement=before_op", "norm.placement=before_op means nothing here: norm=bnp has no "
                                               "normalization layers; leave it out"),

@@ -162,6 +162,9 @@ def keys_under(cfg: DictConfig, parent: str) -> list[str]:
 def unknown_key(key: str, cfg: Optional[DictConfig], added: bool = False) -> str:
     """``trainer.epoch`` -> "unknown key 'trainer.epoch'; did you mean trainer.epochs? ..."."""
     parent, _, leaf = key.rpartition(".")
+    if not parent and not added and (config_dir() / key).is_dir():  # a group that no default of the config chooses
+        return (f"config group {key!r} is not in this config's defaults, so {key}=... has nothing to replace: "
+                f"+{key}=OPTION adds it (options: {', '.join(group_options(key))})")
     valid = keys_under(cfg, parent) if cfg is not None else []
     close = difflib.get_close_matches(leaf, valid, n=3, cutoff=0.7)
     what = "key" if parent else "config group or key"

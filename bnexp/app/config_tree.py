@@ -13,6 +13,7 @@ bnexp's completion then runs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -130,15 +131,21 @@ def hydra_plugin_dirs() -> list[Path]:
     return sorted({*found, package_dir().parent / "hydra_plugins"})
 
 
+@functools.cache
+def composer_versions() -> tuple[str, str]:
+    """The installed versions of Hydra and OmegaConf, looked up once per process (each lookup
+    searches the import path's package records)."""
+    from importlib import metadata  # here: a group's completion need not import it (40 ms)
+
+    return metadata.version("hydra-core"), metadata.version("omegaconf")
+
+
 def config_digest(*parts: Any) -> str:
     """A digest of ``parts`` (JSON values: what is composed) and everything else a composition
     of the config tree reads: every file of its search path (bnexp's tree, the ``BNEXP_PLUGINS``
     config folders, the Hydra plugins), bnexp's own files (code, the resolvers' tables) and the
     versions of Hydra and OmegaConf."""
-    from importlib import metadata  # here: a group's completion need not import it (40 ms)
-
-    digest = hashlib.sha256(json.dumps([*parts, os.environ.get(PLUGINS_ENV, ""), metadata.version("hydra-core"),
-                                        metadata.version("omegaconf")]).encode())
+    digest = hashlib.sha256(json.dumps([*parts, os.environ.get(PLUGINS_ENV, ""), *composer_versions()]).encode())
     digest.update(package_digest().encode())
     tree_digest(digest, (config_dir(), *plugin_config_dirs(), *hydra_plugin_dirs()))
     return digest.hexdigest()[:32]

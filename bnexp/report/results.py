@@ -270,9 +270,9 @@ class RowCache:
             row = self.unpacked(kept[1:])
             result = self.unpacked(row.get(RESULT)) if row is not None else None
             if row is not None and result is not None:
-                row[RESULT] = result
+                row[RESULT], row["run_dir"] = result, str(run_dir)  # a kept row's folder: as this walk spells it
                 self.rows[key] = [states, row]
-                return {**row, "run_dir": str(run_dir)}
+                return row
         row = summary_row(run_dir / SUMMARY)
         if row is not None and row.get("fingerprint") is not None and None not in states:
             self.rows[key] = [states, row]
@@ -342,13 +342,15 @@ def counted_once(frame: pd.DataFrame, results: Path) -> pd.DataFrame:
     other overrides: each row keeps its run.)"""
     if frame.empty or "run_identity" not in frame or not frame["run_identity"].notna().any():
         return frame
+    copy = copy_key(frame)
+    if not (copy.notna() & copy.duplicated()).any():
+        return frame
     status = frame["status"] if "status" in frame else pd.Series(None, index=frame.index)
-    order = frame.assign(_rank=status.map(lambda s: STATUS_RANK.get(s, 2)),
-                         _depth=frame["run_dir"].map(lambda d: len(Path(d).parts)), _copy=copy_key(frame))
+    order = pd.DataFrame({"_rank": status.map(lambda s: STATUS_RANK.get(s, 2)),
+                          "_depth": frame["run_dir"].map(lambda d: len(Path(d).parts)), "run_dir": frame["run_dir"],
+                          "_copy": copy})
     order = order.sort_values(["_rank", "_depth", "run_dir"], kind="stable")
     copies = order["_copy"].notna() & order.duplicated("_copy")
-    if not copies.any():
-        return frame
     kept = order[~copies]
     taken = dict(zip(kept["_copy"], kept["run_dir"]))
     ignored = order[copies].groupby("_copy", sort=False)["run_dir"].apply(list)

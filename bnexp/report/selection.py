@@ -95,11 +95,12 @@ def preset_runs(p: Preset, frame: pd.DataFrame, results: Path) -> pd.DataFrame:
     its cells'); the others are named on stderr with the settings that set them apart."""
     if frame.empty:
         return frame
-    member = frame["fingerprint"].isin(p.expected.keys())
+    member = frame["fingerprint"].isin(p.fingerprints)
+    if member.all():
+        return frame
     others = frame[~member]
-    if len(others):
-        print(f"bnexp: {len(others)} of the {len(frame)} runs under {results} are not in this table: their settings "
-              f"match no run of {p.name} ({why_not(p, others)})", file=sys.stderr)
+    print(f"bnexp: {len(others)} of the {len(frame)} runs under {results} are not in this table: their settings "
+          f"match no run of {p.name} ({why_not(p, others)})", file=sys.stderr)
     return frame[member]
 
 

@@ -1,10 +1,10 @@
 """bnexp's cache folder: what it can compute again, kept between commands.
 
 Four things live there: the result configs of a preset's jobs and their fingerprints
-(:func:`bnexp.report.presets.job_results`), a preset's composed config and sweeps
-(:func:`bnexp.report.presets.read_preset`), the rows a results folder's summaries give
-(:class:`bnexp.report.results.RowCache`) and the configs whose keys shell completion lists
-(:func:`bnexp.app.config_tree.key_choices`). Every
+(:func:`bnexp.report.presets.job_configs`, :func:`~bnexp.report.presets.job_fingerprints`),
+a preset's composed config and sweeps (:func:`bnexp.report.presets.read_preset`), the rows a
+results folder's summaries give (:class:`bnexp.report.results.RowCache`) and the configs
+whose keys shell completion lists (:func:`bnexp.app.config_tree.key_choices`). Every
 entry is keyed by what it was computed from, bnexp's own files included (:func:`tree_digest`),
 and is plain JSON, never a pickle. Anything in the folder may be deleted at any time.
 """
