@@ -147,6 +147,31 @@ def test_a_preset_read_back_from_the_cache_is_the_composed_one(tmp_path: Path, m
     assert plain(presets.read_preset(name, scale, overrides)) == plain(composed)
 
 
+def test_a_cache_folder_keeps_its_most_recently_used_entries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """prune keeps the entries whose files were written last (taking an entry's lock writes
+    it, so a read counts as a use), deletes every file of the others and leaves files being
+    written alone; write_cache prunes after each write, to CACHE_ENTRIES entries."""
+    from bnexp.support import cache
+
+    folder = tmp_path / "job_configs"
+    folder.mkdir()
+    suffixes = (".json", ".lock", ".fingerprints.json")
+    for i in range(5):
+        for suffix in suffixes:
+            (folder / f"k{i}{suffix}").write_text("x")
+            os.utime(folder / f"k{i}{suffix}", ns=(i * 10**9, i * 10**9))
+    os.utime(folder / "k0.lock", ns=(9 * 10**9, 9 * 10**9))  # k0's lock taken last
+    (folder / ".k1.json.tmp").write_text("being written")
+    cache.prune(folder, keep=3)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([".k1.json.tmp", *(f"k{i}{s}" for i in (0, 3, 4)
+                                                                                for s in suffixes)])
+    monkeypatch.setattr(cache, "CACHE_ENTRIES", 2)
+    cache.write_cache(folder / "new.json", b"{}")
+    assert sorted(p.name for p in folder.iterdir()) == sorted([".k1.json.tmp", "new.json", "new.lock",
+                                                               *(f"k0{s}" for s in suffixes)])
+    cache.prune(tmp_path / "missing")  # no folder: nothing to do
+
+
 def test_a_table_read_from_the_cache_imports_neither_torch_nor_hydra(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """``bnexp table`` composes its preset with Hydra the first time (into an empty cache

@@ -32,7 +32,7 @@ from bnexp.app.config_tree import config_digest, config_dir, read_config, regist
 from bnexp.app.sweep_values import Job, Values, select, sweep_lines, union
 from bnexp.engine.identity import override_key, result_config, result_fingerprint
 from bnexp.report.layouts import Layout, layout_from
-from bnexp.support.cache import cache_dir, write_cache
+from bnexp.support.cache import cache_dir, prune, write_cache
 from bnexp.support.errors import ConfigError, unknown_choice
 from bnexp.support.options import split_options
 from bnexp.support.runinfo import atomic_write
@@ -282,13 +282,14 @@ def cached_list(path: Path, count: int, kind: type) -> Optional[list[Any]]:
 
 def keep_list(path: Path, items: list[Any]) -> None:
     """Write ``items`` to a cache file when they are plain values (what is read back is what
-    was computed); a file that cannot be written is passed over."""
+    was computed), then prune its folder; a file that cannot be written is passed over."""
     text = json.dumps(items)
     if json.loads(text) == items:
         try:
             atomic_write(path, lambda f: f.write(text.encode()))
         except OSError:
-            pass
+            return
+        prune(path.parent)
 
 
 def cache_key(name: str, scale: str, jobs: Sequence[Job]) -> str:

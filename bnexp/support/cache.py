@@ -6,7 +6,8 @@ a preset's composed config and sweeps (:func:`bnexp.report.presets.read_preset`)
 results folder's summaries give (:class:`bnexp.report.results.RowCache`) and the configs
 whose keys shell completion lists (:func:`bnexp.app.config_tree.key_choices`). Every
 entry is keyed by what it was computed from, bnexp's own files included (:func:`tree_digest`),
-and is plain JSON, never a pickle. Anything in the folder may be deleted at any time.
+and is plain JSON, never a pickle. Anything in the folder may be deleted at any time; each
+of its folders keeps its :data:`CACHE_ENTRIES` most recently used entries (:func:`prune`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ CACHE_ENV = "BNEXP_CACHE_DIR"  # where bnexp keeps what it can compute again (se
 # "racy" entries of git's index). A network file system whose server's clock lags by more
 # than this leaves in-place edits exposed; bnexp itself replaces a summary (a new inode).
 RACY_SECONDS = 2.0
+# Entries kept in each folder of the cache (a preset's job configs, a results folder's rows, a
+# completion's config, ...): the least recently used go first (prune). bnexp's own files are
+# part of every key, so each new version, or edit of a checkout, starts new entries.
+CACHE_ENTRIES = 128
 
 
 def cache_dir() -> Path:
@@ -77,11 +82,36 @@ def file_state(path: str | Path, now_ns: int) -> Optional[list[int]]:
 
 
 def write_cache(path: Path, data: bytes) -> None:
-    """Write a cache file whole, one command at a time (a lock beside it); an OSError when
-    the folder cannot be made or written."""
+    """Write a cache file whole, one command at a time (a lock beside it), then
+    :func:`prune` its folder; an OSError when the folder cannot be made or written."""
     from bnexp.support.runinfo import atomic_write  # here: a completion read from the cache need not import it
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
         atomic_write(path, lambda f: f.write(data))
+    prune(path.parent)
+
+
+def prune(folder: Path, keep: Optional[int] = None) -> None:
+    """Delete all but the ``keep`` (:data:`CACHE_ENTRIES`) most recently used entries of a
+    cache folder. An entry is the files whose names share what comes before the first dot (its
+    data, its lock, a preset's fingerprints), used when one of them was last written (a lock
+    is written each time it is taken). An entry another command is reading is at worst
+    computed again; files being written (hidden) are left alone."""
+    try:
+        with os.scandir(folder) as entries:
+            files = [(e.name.split(".", 1)[0], e.stat().st_mtime_ns, e.path) for e in entries
+                     if not e.name.startswith(".") and e.is_file(follow_symlinks=False)]
+    except OSError:
+        return
+    used: dict[str, int] = {}
+    for key, written, _ in files:
+        used[key] = max(used.get(key, 0), written)
+    stale = set(sorted(used, key=lambda k: (used[k], k), reverse=True)[CACHE_ENTRIES if keep is None else keep:])
+    for key, _, path in files:
+        if key in stale:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
