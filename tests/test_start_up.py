@@ -245,6 +245,26 @@ def test_a_keys_config_is_kept_until_what_it_is_composed_from_changes(tmp_path: 
         == ["extra.alpha. extra.b.", "extra.b.0=", "", None]
 
 
+def test_the_digest_follows_the_files_of_every_hydra_plugins_folder(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """hydra_plugin_dirs names bnexp's hydra_plugins folder and any other on the import path
+    (whose plugins register configs Hydra composes with), so config_digest changes with a file
+    there."""
+    from bnexp.support.cache import package_dir
+
+    before = config_tree.config_digest("x")
+    (tmp_path / "hydra_plugins" / "other_plugin").mkdir(parents=True)
+    (tmp_path / "hydra_plugins" / "other_plugin" / "__init__.py").write_text("# a plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = config_tree.hydra_plugin_dirs()
+    assert {tmp_path / "hydra_plugins", package_dir().parent / "hydra_plugins"} <= set(found), found
+    assert found == sorted(set(found))
+    with_plugin = config_tree.config_digest("x")
+    assert with_plugin != before
+    (tmp_path / "hydra_plugins" / "other_plugin" / "__init__.py").write_text("# another version\n")
+    assert config_tree.config_digest("x") not in (before, with_plugin)
+
+
 def test_the_benchmarks_results_folder_is_the_presets_whole_sweep(tmp_path: Path, capsys) -> None:
     """fake_runs writes every run of the preset's sweep, each as a sweep leaves it: the table
     finds all of them in their cells, and none outside the table."""
