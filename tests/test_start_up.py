@@ -94,20 +94,28 @@ def test_a_presets_job_configs_come_from_the_cache_until_a_config_file_changes(
     assert presets.cache_key("popnorm/table2", "quick", jobs[:1]) != presets.cache_key("popnorm/table2", "quick", jobs)
 
 
+def cold_then_warm(commands: list[tuple[list[str], str]], folder: Path) -> list[str]:
+    """What ``commands`` print in a fresh interpreter started twice in ``folder``, after
+    checking that none imported torch and that they imported Hydra the first time alone
+    (the cache folder empty before it)."""
+    answers = []
+    for cold in (True, False):
+        done = subprocess.run([sys.executable, "-c", IMPORTS, json.dumps(commands)], cwd=folder, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        found = json.loads(done.stderr.strip().splitlines()[-1])
+        assert [(torch, hydra) for _, _, torch, hydra in found] == [(False, cold)] * len(commands), (cold, found)
+        answers.append(done.stdout)
+    return answers
+
+
 def test_a_key_completed_from_the_cache_imports_neither_torch_nor_hydra(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A completion query of a key composes with Hydra the first time (into an empty cache
     folder) and imports neither torch nor Hydra after, with the same answers."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     commands = [(["-sc", "query=bash"], "bnexp train norm.r"), (["-sc", "query=bash"], "bnexp train model=vgg16 optim.")]
-    answers = []
-    for cold in (True, False):
-        done = subprocess.run([sys.executable, "-c", IMPORTS, json.dumps(commands)], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        found = json.loads(done.stderr.strip().splitlines()[-1])
-        assert [(torch, hydra) for _, _, torch, hydra in found] == [(False, cold)] * 2, (cold, found)
-        answers.append(done.stdout)
+    answers = cold_then_warm(commands, tmp_path)
     assert answers[0] == answers[1] and "norm.rho=" in answers[0].split() and "optim.lr=" in answers[0].split()
 
 
@@ -180,14 +188,7 @@ def test_a_table_read_from_the_cache_imports_neither_torch_nor_hydra(tmp_path: P
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     fake_runs("popnorm/table2", tmp_path / "results" / "popnorm" / "table2")
     commands = [(["table", "popnorm/table2"], ""), (["table", "popnorm/table2", "trainer.seed=0,1", "format=csv"], "")]
-    answers = []
-    for cold in (True, False):
-        done = subprocess.run([sys.executable, "-c", IMPORTS, json.dumps(commands)], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        found = json.loads(done.stderr.strip().splitlines()[-1])
-        assert [(torch, hydra) for _, _, torch, hydra in found] == [(False, cold)] * 2, (cold, found)
-        answers.append(done.stdout)
+    answers = cold_then_warm(commands, tmp_path)
     assert answers[0] == answers[1] and "80.00 (1)" in answers[0] and "80.00 (1 of 2; 1 missing)" in answers[0]
 
 
