@@ -150,14 +150,16 @@ def rglob_run_dirs(folder: Path) -> list[Path]:
 
 
 def test_one_walk_finds_the_runs_rglob_finds(tmp_path: Path) -> None:
-    """Nested runs, a hidden folder, folders whose names sort otherwise as text than as paths
-    (``a-b``, ``a,c`` beside ``a``), a folder named summary.json, a symbolic link to a run's
+    """Nested runs (also runs inside a run's folder, named before and after summary.json), a
+    hidden folder, folders whose names sort otherwise as text than as paths (``a-b``, ``a,c``
+    beside ``a``), a folder named summary.json, a symbolic link to a run's
     folder (not followed), to a summary file and to nothing, and a sweep folder listing cells
     elsewhere (one also under the tree): the same folders in the same order as two rglob walks."""
     write_runs(tmp_path / "tree" / "a")
-    for hidden in (".hidden", "a-b", "a,c"):
+    for hidden in (".hidden", "a-b", "a,c", "x/b", "x/t"):  # x/b and x/t runs inside the run x
         (tmp_path / "tree" / hidden / "r").mkdir(parents=True)
         (tmp_path / "tree" / hidden / "r" / "summary.json").write_text("{}")
+    (tmp_path / "tree" / "x" / "summary.json").write_text("{}")
     (tmp_path / "tree" / "odd" / "summary.json").mkdir(parents=True)
     (tmp_path / "tree" / "link").symlink_to(tmp_path / "tree" / "a" / "run0")
     (tmp_path / "tree" / "file_link").mkdir()
@@ -168,7 +170,7 @@ def test_one_walk_finds_the_runs_rglob_finds(tmp_path: Path) -> None:
     (tmp_path / "tree" / "sweep").mkdir()
     (tmp_path / "tree" / "sweep" / CELLS).write_text("../../elsewhere/run4\n../a/run5\n../../elsewhere/run0\nnope\n")
     walked = run_dirs(tmp_path / "tree")
-    assert walked == rglob_run_dirs(tmp_path / "tree") and len(walked) == 12 + 3 + 2 + 2
+    assert walked == rglob_run_dirs(tmp_path / "tree") and len(walked) == 12 + 3 + 2 + 5
     (tmp_path / "tree" / "sweep" / CELLS).unlink()
     assert run_dirs(tmp_path / "tree") == rglob_run_dirs(tmp_path / "tree")
     assert run_dirs(tmp_path / "missing") == rglob_run_dirs(tmp_path / "missing") == []

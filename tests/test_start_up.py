@@ -147,7 +147,10 @@ def test_a_preset_read_back_from_the_cache_is_the_composed_one(tmp_path: Path, m
     [record] = (tmp_path / "cache" / "presets").glob("*.json")
     held = json.loads(record.read_text())
     for damaged in ("{", "[]", json.dumps({**held, "cfg": "[1, 2]"}), json.dumps({**held, "cfg": "a: ["}),
-                    json.dumps({**held, "sweeps": [{"act": "relu"}]}), json.dumps({**held, "params": [1]})):
+                    json.dumps({**held, "sweeps": [{"act": "relu"}]}), json.dumps({**held, "params": [1]}),
+                    json.dumps({**held, "cfg": "a: 1\n"}),  # a mapping without what a preset holds
+                    json.dumps({**held, "cfg": "a: " + "[" * 5000 + "]" * 5000}),  # nested past any config
+                    json.dumps({**held, "cfg": held["cfg"] + "x: &a [1, 2]\ny: [*a, *a]\n"})):  # aliases
         record.write_text(damaged)
         assert plain(presets.read_preset(name, scale, overrides)) == plain(composed)
         assert json.loads(record.read_text()) == held  # written again
@@ -178,6 +181,25 @@ def test_a_cache_folder_keeps_its_most_recently_used_entries(tmp_path: Path, mon
     assert sorted(p.name for p in folder.iterdir()) == sorted([".k1.json.tmp", "new.json", "new.lock",
                                                                *(f"k0{s}" for s in suffixes)])
     cache.prune(tmp_path / "missing")  # no folder: nothing to do
+
+
+def test_a_preset_that_resolves_with_hydras_own_resolvers_is_composed_each_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table whose folder reads ${now:...}, a resolver Hydra registers, not bnexp, composes
+    its preset with Hydra every time instead of failing to resolve the record without it."""
+    import datetime
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    fake_runs("popnorm/table2", tmp_path / "results" / str(datetime.date.today().year))
+    commands = [(["table", "popnorm/table2", "hydra.sweep.dir=results/${now:%Y}", "format=csv"], "")]
+    answers = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", IMPORTS, json.dumps(commands)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert [hydra for *_, hydra in json.loads(done.stderr.strip().splitlines()[-1])] == [True]
+        answers.append(done.stdout)
+    assert answers[0] == answers[1] and "80.00 (1)" in answers[0]
 
 
 def test_a_table_read_from_the_cache_imports_neither_torch_nor_hydra(tmp_path: Path,

@@ -247,3 +247,17 @@ def test_the_tuned_value_is_the_best_mean_over_the_seeds_every_value_completed()
         chosen.add(plainly(runs))
     assert chosen == {0.5, 1.0, 2.0, 4.0}
     assert best_choice(runs.assign(status="failed"), "norm.rho", "final_top1") is None
+
+
+def test_a_key_on_both_axes_selects_by_the_columns_value(tmp_path: Path) -> None:
+    """A layout whose rows and columns set the same key: a cell's runs are those of the
+    column's value (its keys are the row's updated by the column's), whatever the row."""
+    from dataclasses import replace
+
+    write_runs(tmp_path)
+    both = replace(LAYOUT, rows=(Axis("act.name", ("sigmoid", "relu"), "Row act", "activation", sweep="act"),),
+                   paper=None, tune=None, tuned_rows=frozenset(), improv=False, flags={})
+    table = build(both, load_summaries(tmp_path))
+    cells = table.drop(columns=["Row act"])
+    assert len(table) == 2 and cells.iloc[0].tolist() == cells.iloc[1].tolist(), table
+    assert cells.iloc[0]["Tanh"].startswith("87.00 (1 of 2"), table

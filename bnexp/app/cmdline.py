@@ -31,6 +31,7 @@ from bnexp.app.compose import config_dir, hydra_session, is_group, parser
 from bnexp.app.config_tree import group_options
 from bnexp.app.sweep import interval_refused
 from bnexp.support.errors import ConfigError
+from bnexp.support.registry import plugin_config_dirs
 
 # Hydra flags followed by a value, and flags after which Hydra does not compose train.yaml
 # (help, another config, shell completion): the latter are left to Hydra.
@@ -162,7 +163,8 @@ def keys_under(cfg: DictConfig, parent: str) -> list[str]:
 def unknown_key(key: str, cfg: Optional[DictConfig], added: bool = False) -> str:
     """``trainer.epoch`` -> "unknown key 'trainer.epoch'; did you mean trainer.epochs? ..."."""
     parent, _, leaf = key.rpartition(".")
-    if not parent and not added and (config_dir() / key).is_dir():  # a group that no default of the config chooses
+    if not parent and not added and any((d / key).is_dir() for d in (config_dir(), *plugin_config_dirs())):
+        # a group that no default of the config chooses
         return (f"config group {key!r} is not in this config's defaults, so {key}=... has nothing to replace: "
                 f"+{key}=OPTION adds it (options: {', '.join(group_options(key))})")
     valid = keys_under(cfg, parent) if cfg is not None else []

@@ -49,8 +49,7 @@ from bnexp.support.runlock import HELD_ENV
 from bnexp.support.untrusted import TABLE_FILE, open_regular
 
 # The functions that check finished runs import the engine (checkpoints, config rules, data
-# files) in their bodies: those modules load torch, which the table commands, users of this
-# module's sweep expansion, do without.
+# files) in their bodies: those modules load torch, which composing a sweep does without.
 log = logging.getLogger("bnexp.app.sweep")
 
 
@@ -109,7 +108,6 @@ def shape_representatives(jobs: Sequence[Job], parser: OverridesParser) -> list[
     for job in jobs:
         chosen.setdefault(tuple(shape(o) for o in parser.parse_overrides(job)), job)
     return list(chosen.values())
-
 
 
 # A run that ended with one of these is a result: re-running its command skips it. Failed,

@@ -49,8 +49,9 @@ GPU_SECONDS_PER_STEP = {
     "mlp3x100": 0.001, "mlp2x100": 0.001, "cnn5": 0.002,
 }
 QUICK_SECONDS_PER_RUN = 3.0  # measured on a busy 2-core CPU, runs in one process
-# How a preset's config is kept in the cache folder (read_preset): libyaml's safe YAML where
-# PyYAML has it (a few milliseconds for a preset), plain PyYAML's otherwise.
+# PyYAML's safe loader and dumper on libyaml where PyYAML was built with it, plain PyYAML's
+# otherwise (the same values, several times faster): a preset's config kept in the cache
+# folder (read_preset), a run's overrides.yaml (a table reads one per run).
 YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
@@ -112,8 +113,8 @@ class Preset:
     @cached_property
     def expected(self) -> dict[str, dict[str, Any]]:
         """The result config (dotted keys, :func:`bnexp.engine.identity.result_config`) of every run
-        the sweeps make, by fingerprint (:attr:`fingerprints`)."""
-        return dict(zip(job_fingerprints(self.name, self.scale, self.jobs), job_configs(self.name, self.scale, self.jobs)))
+        the sweeps make, by fingerprint."""
+        return {result_fingerprint(c): c for c in job_configs(self.name, self.scale, self.jobs)}
 
     @cached_property
     def fingerprints(self) -> frozenset[str]:
@@ -205,15 +206,37 @@ def preset_from(record: Optional[dict[str, Any]], name: str, scale: str, overrid
         return None
     try:
         plain = yaml.load(record["cfg"], YAML_LOADER)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         return None
-    if not isinstance(plain, dict):
+    if not isinstance(plain, dict) or not is_tree(plain):
         return None
     register_resolvers()
-    cfg = OmegaConf.create(plain)
-    OmegaConf.set_struct(cfg, True)  # as composed: a key it lacks is an error, not None
-    return Preset(name, scale, cfg, tuple(overrides), tuple(job_overrides(overrides)), tuple(record["params"]),
-                  tuple(sweeps))
+    try:
+        cfg = OmegaConf.create(plain)
+        OmegaConf.set_struct(cfg, True)  # as composed: a key it lacks is an error, not None
+        p = Preset(name, scale, cfg, tuple(overrides), tuple(job_overrides(overrides)), tuple(record["params"]),
+                   tuple(sweeps))
+        # what the commands that read a preset read of it, interpolations resolved: a record of
+        # another shape, or one that resolves with Hydra's own resolvers (${now:...}), is composed
+        p.results_dir, p.layout, p.seeds, int(cfg.trainer.seed), cfg.data.name, cfg.tags.get("data")
+    except Exception:  # noqa: BLE001 (whatever the record makes OmegaConf or the layout raise: composed again)
+        return None
+    return p
+
+
+def is_tree(value: Any, depth: int = 64) -> bool:
+    """Whether ``value`` nests dicts and lists at most ``depth`` deep and holds no container
+    twice (what YAML's aliases make, which bnexp never writes: OmegaConf would copy each)."""
+    seen: set[int] = set()
+    stack = [(value, 0)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, (dict, list)):
+            if level > depth or id(node) in seen:
+                return False
+            seen.add(id(node))
+            stack += [(child, level + 1) for child in (node.values() if isinstance(node, dict) else node)]
+    return True
 
 
 def is_text_list(value: Any) -> bool:

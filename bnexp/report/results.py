@@ -32,14 +32,12 @@ import yaml
 from bnexp.app.cells import CELLS
 from bnexp.app.cells import listed as cells_listed
 from bnexp.engine.identity import flatten, result_config, result_fingerprint, short_hash
+from bnexp.report.presets import YAML_LOADER
 from bnexp.support.cache import cache_dir, file_state, package_digest, write_cache
 from bnexp.support.errors import DataError
 from bnexp.support.options import print_warning
 from bnexp.support.untrusted import RECORD_FILE, TABLE_FILE, read_regular, read_regular_text, text_stream
 
-# PyYAML's safe loader on libyaml's parser where PyYAML was built with it (the same lists of
-# strings, read several times faster: a table reads one overrides.yaml per run).
-SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 REPLICATES = ("trainer.seed",)  # overrides whose runs a cell pools
 SUMMARY = "summary.json"
 ROWS_FORMAT = 2  # the RowCache file's layout
@@ -66,7 +64,7 @@ def run_overrides(run_dir: Path) -> dict[str, str]:
     path = run_dir / ".hydra" / "overrides.yaml"
     if not path.is_file():
         return {}
-    lines = parsed(path, lambda p: yaml.load(read_regular_text(p, RECORD_FILE), Loader=SAFE_LOADER),
+    lines = parsed(path, lambda p: yaml.load(read_regular_text(p, RECORD_FILE), Loader=YAML_LOADER),
                    (OSError, ValueError, yaml.YAMLError)) or []
     if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
         raise DataError(f"{path}: expected a list of key=value lines, got {reprlib.repr(lines)}")
@@ -211,10 +209,10 @@ def run_dirs(folder: Path) -> list[Path]:
         for name in here:
             found[name].append(root)
         folders += below
-    # in the order of the folders' paths as Path compares them: part by part
-    inside = [Path(d) for d in sorted(found[SUMMARY], key=lambda d: d.split(os.sep))]
-    listed = [d for lists in sorted(found[CELLS], key=lambda d: d.split(os.sep)) for d in cells_listed(Path(lists))
-              if (d / SUMMARY).is_file()]
+    # in the order of the files' paths as Path compares them: part by part
+    inside = [Path(d) for d in sorted(found[SUMMARY], key=lambda d: [*d.split(os.sep), SUMMARY])]
+    listed = [d for lists in sorted(found[CELLS], key=lambda d: [*d.split(os.sep), CELLS])
+              for d in cells_listed(Path(lists)) if (d / SUMMARY).is_file()]
     if not listed:  # one walk names each folder once
         return inside
     return list({d.resolve(): d for d in [*inside, *listed]}.values())
@@ -280,7 +278,7 @@ class RowCache:
         return row
 
     def unpacked(self, entry: Any) -> Optional[dict[str, Any]]:
-        """The mapping ``[number of its key list, its values]`` stands for (:meth:`packed`);
+        """The mapping ``[number of its key list, its values]`` stands for (:meth:`save`);
         None for anything else."""
         if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int and 0 <= entry[0] < len(self.keys)
                 and isinstance(entry[1], list)):

@@ -324,7 +324,8 @@ def build(layout: Layout, frame: pd.DataFrame, default_seed: int = 0, tests: Tes
     verdicts: list[Verdict] = []
     baseline: dict[str, tuple[float, float]] = {}
     for row in rows:
-        row_runs = select(frame, row)  # each cell's runs are among its row's
+        # each cell's runs are among its row's (by the row's keys that no column sets again)
+        row_runs = select(frame, {k: v for k, v in row.items() if all(k != a.key for a in layout.columns)})
         line = {a.name: a.label(row[a.key]) for a in layout.rows}
         line |= {flag: "x" if any(same(v, row[layout.rows[0].key]) for v in marked) else ""
                  for flag, marked in layout.flags.items()}

@@ -7,7 +7,7 @@ results folder's summaries give (:class:`bnexp.report.results.RowCache`) and the
 whose keys shell completion lists (:func:`bnexp.app.config_tree.key_choices`). Every
 entry is keyed by what it was computed from, bnexp's own files included (:func:`tree_digest`),
 and is plain JSON, never a pickle. Anything in the folder may be deleted at any time; each
-of its folders keeps its :data:`CACHE_ENTRIES` most recently used entries (:func:`prune`).
+of its folders keeps its :data:`CACHE_ENTRIES` most recently written entries (:func:`prune`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ CACHE_ENV = "BNEXP_CACHE_DIR"  # where bnexp keeps what it can compute again (se
 # than this leaves in-place edits exposed; bnexp itself replaces a summary (a new inode).
 RACY_SECONDS = 2.0
 # Entries kept in each folder of the cache (a preset's job configs, a results folder's rows, a
-# completion's config, ...): the least recently used go first (prune). bnexp's own files are
+# completion's config, ...): the least recently written go first (prune). bnexp's own files are
 # part of every key, so each new version, or edit of a checkout, starts new entries.
 CACHE_ENTRIES = 128
 
@@ -94,11 +94,12 @@ def write_cache(path: Path, data: bytes) -> None:
 
 
 def prune(folder: Path, keep: Optional[int] = None) -> None:
-    """Delete all but the ``keep`` (:data:`CACHE_ENTRIES`) most recently used entries of a
+    """Delete all but the ``keep`` (:data:`CACHE_ENTRIES`) most recently written entries of a
     cache folder. An entry is the files whose names share what comes before the first dot (its
-    data, its lock, a preset's fingerprints), used when one of them was last written (a lock
-    is written each time it is taken). An entry another command is reading is at worst
-    computed again; files being written (hidden) are left alone."""
+    data, its lock, a preset's fingerprints), written when one of them last was (a lock is
+    written each time it is taken: a preset's job configs count as written when read). An
+    entry another command is reading is at worst computed again; files being written
+    (hidden) are left alone."""
     try:
         with os.scandir(folder) as entries:
             files = [(e.name.split(".", 1)[0], e.stat().st_mtime_ns, e.path) for e in entries

@@ -84,13 +84,13 @@ def cycles_uncollected() -> Iterator[None]:
     such a command's time. Reference counting frees what it drops, as always. After the block
     what is left is frozen (:func:`gc.freeze`): the command ends there, and the collection
     Python makes as it exits, another fifth, walks only what came after."""
-    paused = gc.isenabled()
+    enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         gc.freeze()
-        if paused:
+        if enabled:
             gc.enable()
 
 
