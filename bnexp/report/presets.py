@@ -180,12 +180,11 @@ def read_preset(name: str, scale: str = "full", overrides: Sequence[str] = ()) -
     plain = OmegaConf.to_container(p.cfg, resolve=False, enum_to_str=True)
     try:
         record = {"cfg": yaml_text(plain), "params": list(p.params), "sweeps": [dict(sweep) for sweep in p.sweeps]}
-        text = json.dumps(record)
         back = yaml.load(record["cfg"], YAML_LOADER)
         # plain values only, read back as composed, keys in their order (YAML keeps the number
         # keys of a table's labels; the text of what is read back shows an order or type changed)
-        if path is not None and json.loads(text) == record and back == plain and yaml_text(back) == record["cfg"]:
-            write_cache(path, text.encode())
+        if path is not None and back == plain and yaml_text(back) == record["cfg"]:
+            write_cache(path, json.dumps(record).encode())
     except (OSError, TypeError, ValueError, yaml.YAMLError):
         pass
     return p

@@ -227,7 +227,7 @@ class RowCache:
     by bnexp (the cache folder is the user's own), dropped whole when bnexp's files changed,
     and each entry is checked for its shape as it is looked up; a file that cannot be used is
     an empty cache, and without a cache folder nothing is kept. A row is kept as its values
-    and the number of its list of keys, which the runs of a folder share (:meth:`packed`):
+    and the number of its list of keys, which the runs of a folder share (:meth:`save`):
     the file is read at every table, and its keys were most of it."""
 
     def __init__(self, results: Path) -> None:

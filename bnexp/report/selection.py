@@ -60,11 +60,12 @@ def best_choice(runs: pd.DataFrame, key: str, metric: str, seed: str = "trainer.
     done = completed(runs, metric)
     if done.empty:
         return None
-    seeds = {v: (set(s), s) for v, s in done[seed].groupby(done[key])}
+    seeds = dict(tuple(done[seed].groupby(done[key])))
     scores = dict(tuple(done[metric].groupby(done[key])))
-    common = set.intersection(*(found for found, _ in seeds.values()))
+    found = {v: set(s) for v, s in seeds.items()}
+    common = set.intersection(*found.values())
     # a value whose runs all have common seeds: its mean over all of them (the same numbers)
-    means = {v: scores[v][seeds[v][1].isin(common)].mean() if common and seeds[v][0] != common else scores[v].mean()
+    means = {v: scores[v][seeds[v].isin(common)].mean() if common and found[v] != common else scores[v].mean()
              for v in scores}
     return max(sorted(means), key=lambda v: means[v])
 

@@ -106,10 +106,10 @@ def prune(folder: Path, keep: Optional[int] = None) -> None:
                      if not e.name.startswith(".") and e.is_file(follow_symlinks=False)]
     except OSError:
         return
-    used: dict[str, int] = {}
+    last: dict[str, int] = {}  # each entry's latest write
     for key, written, _ in files:
-        used[key] = max(used.get(key, 0), written)
-    stale = set(sorted(used, key=lambda k: (used[k], k), reverse=True)[CACHE_ENTRIES if keep is None else keep:])
+        last[key] = max(last.get(key, 0), written)
+    stale = set(sorted(last, key=lambda k: (last[k], k), reverse=True)[CACHE_ENTRIES if keep is None else keep:])
     for key, _, path in files:
         if key in stale:
             try:
